@@ -1,0 +1,139 @@
+"""Structured configs (registered in Hydra's ConfigStore) and their up-front validation.
+
+conf/ mirrors these dataclasses: conf/model/*.yaml fill ModelConfig, conf/cache/*.yaml CacheConfig, and
+so on; conf/job/<name>.yaml picks one of the job schemas below. Unknown keys are rejected by Hydra
+because every node is typed; `validate` checks values and names the field that is wrong.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    path: Optional[str] = None  # a Hugging Face checkpoint directory; None: random weights of the shape below
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: CUDA when present
+    max_model_len: int = 512  # prompt + output tokens of one sequence
+    seed: int = 0  # random weights
+    vocab_size: int = 257
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    eos_token_id: int = 256
+    tokenizer: str = "bytes"  # tokenizer of the random model: byte-level
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: Optional[int] = None  # overrides the sizing below
+    kv_budget_gb: Optional[float] = None  # KV memory for the pool, to compare block sizes at equal memory
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights, activations and KV
+    check_invariants: bool = False  # debug: check the block manager's invariants after every step
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GenerateJob:
+    name: str = "generate"
+    input: Optional[str] = None  # None: the sample prompts shipped in jobs/
+    prompt_column: str = "prompt"
+    id_column: str = "id"
+    flush_every: int = 256  # finished rows per Parquet part
+
+
+@dataclass
+class BenchJob:
+    name: str = "bench"
+    workload: str = "random"  # random | nano (nano-vllm's bench.py)
+    num_prompts: int = 256
+    input_len: list[int] = field(default_factory=lambda: [100, 1024])
+    output_len: list[int] = field(default_factory=lambda: [100, 1024])
+    seed: int = 0
+    baseline: str = "none"  # none | hf
+    hf_batch_size: int = 64
+
+
+@dataclass
+class AnalyzeJob:
+    name: str = "analyze"
+    root: str = MISSING  # a sweep directory
+    plots: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    job: Any = MISSING
+
+
+def register_configs() -> None:
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for name, node in (("generate", GenerateJob), ("bench", BenchJob), ("analyze", AnalyzeJob)):
+        store.store(group="job", name=f"{name}_schema", node=node)
+
+
+def _check(ok: bool, field_name: str, message: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name} {message}, got {value!r}")
+
+
+def validate(cfg) -> None:
+    """Raise ConfigError naming the first field whose value cannot work."""
+    m, c, s, p = cfg.model, cfg.cache, cfg.scheduler, cfg.sampling
+    _check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}", m.dtype)
+    _check(m.device in DEVICES, "model.device", f"must be one of {DEVICES}", m.device)
+    _check(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
+    _check(c.block_size >= 1, "cache.block_size", "must be >= 1", c.block_size)
+    _check(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)
+    _check(c.kv_budget_gb is None or c.kv_budget_gb > 0, "cache.kv_budget_gb", "must be > 0", c.kv_budget_gb)
+    _check(0 < c.gpu_memory_utilization <= 1, "cache.gpu_memory_utilization", "must be in (0, 1]", c.gpu_memory_utilization)
+    _check(s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
+    _check(s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens", "must be >= 1", s.max_num_batched_tokens)
+    _check(p.temperature >= 0, "sampling.temperature", "must be >= 0", p.temperature)
+    _check(0 < p.top_p <= 1, "sampling.top_p", "must be in (0, 1]", p.top_p)
+    _check(p.max_tokens >= 1, "sampling.max_tokens", "must be >= 1", p.max_tokens)
+    if cfg.job.name == "bench":
+        for key in ("input_len", "output_len"):
+            lo_hi = list(cfg.job[key])
+            _check(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], f"job.{key}", "must be [min, max] with 1 <= min <= max", lo_hi)
+        _check(cfg.job.workload in ("random", "nano"), "job.workload", "must be 'random' or 'nano'", cfg.job.workload)
+        _check(cfg.job.baseline in ("none", "hf"), "job.baseline", "must be 'none' or 'hf'", cfg.job.baseline)

@@ -1,0 +1,109 @@
+"""The generate loop: requests in, finished sequences out (streamed as they finish)."""
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+from engine.block_manager import KVBlockManager, blocks_needed
+from engine.config import ConfigError
+from engine.kv_cache import PagedKVCache, num_blocks_for
+from engine.model_runner import ModelRunner
+from engine.models.loader import build_model
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence
+from engine.stats import StatsRecorder, snapshot
+from engine.tokenizer import load_tokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RequestError(ValueError):
+    """A request that can never run (empty, too long for max_model_len or for the whole pool)."""
+
+
+def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
+    cuda = torch.cuda.is_available()
+    if model_cfg.device == "cuda" and not cuda:
+        raise ConfigError("model.device is 'cuda' but no CUDA device is available")
+    device = torch.device("cuda" if model_cfg.device == "cuda" or (model_cfg.device == "auto" and cuda) else "cpu")
+    name = model_cfg.dtype if model_cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if device.type == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("model.dtype bfloat16 is not supported by this CUDA device; use float16")
+    return device, DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.max_model_len = cfg.model.max_model_len
+        self.device, self.dtype = resolve_device(cfg.model)
+        self.model, self.eos_token_ids = build_model(cfg.model, self.device, self.dtype)
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.block_size = cfg.cache.block_size
+        num_blocks = num_blocks_for(cfg.cache, self.model.arch, self.dtype, None,
+                                    blocks_needed(self.max_model_len, self.block_size) * cfg.scheduler.max_num_seqs)
+        self.kv_cache = PagedKVCache(self.model.arch, num_blocks, self.block_size, self.dtype, self.device)
+        self.block_manager = KVBlockManager(num_blocks, self.block_size)
+        self.scheduler = Scheduler(self.block_manager, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        self.stats = StatsRecorder()
+        self._seq_ids = itertools.count()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_physical_blocks
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
+        """Queue a request; raises RequestError, queueing nothing, if it can never run."""
+        self.check_request(len(prompt_token_ids), sampling)
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling)
+        self.scheduler.add(seq)
+        return seq
+
+    def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
+        if prompt_len == 0:
+            raise RequestError("prompt is empty")
+        if prompt_len >= self.max_model_len:
+            raise RequestError(f"prompt has {prompt_len} tokens; model.max_model_len {self.max_model_len} leaves no room for output")
+        if sampling.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        need = blocks_needed(min(prompt_len + sampling.max_tokens, self.max_model_len), self.block_size)
+        if need > self.num_blocks:
+            raise RequestError(f"needs {need} blocks of {self.block_size} tokens; the pool has {self.num_blocks}")
+
+    def step(self) -> list[Sequence]:
+        """Schedule and run one step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        stats = snapshot(len(self.stats.steps), batch, self.scheduler, self.block_manager, self.max_model_len)
+        tokens = self.runner.execute(batch)
+        finished = [seq for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens) if self._advance(seq, n, token)]
+        stats.finished, stats.step_time_s = len(finished), self.stats.lap()
+        self.stats.add(stats)
+        if self.cfg.cache.check_invariants and not self.block_manager.invariants_ok():
+            raise AssertionError(f"block manager invariants broken after step {stats.step}")
+        return finished
+
+    def _advance(self, seq: Sequence, num_new_tokens: int, token: int) -> bool:
+        """Account for a computed chunk; append the sampled token when the chunk ends the prefill.
+        Returns whether the sequence finished."""
+        seq.num_computed_tokens += num_new_tokens
+        if seq.num_computed_tokens < seq.num_tokens:
+            return False
+        seq.output_token_ids.append(token)
+        reason = self._finish_reason(seq, token)
+        if reason:
+            self.scheduler.finish(seq, reason)
+        return reason is not None
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.sampling
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def run(self) -> Iterator[Sequence]:
+        """Step until every queued request has finished, yielding each as it finishes."""
+        while self.scheduler.has_work():
+            yield from self.step()

@@ -1,0 +1,156 @@
+"""Qwen3 (QK-norm, RoPE, GQA, SwiGLU, optionally tied embeddings) over the paged KV cache.
+
+Tensors are flat over the tokens of a step: hidden [T, hidden_size], q [T, Hq, D], k/v [T, Hkv, D].
+Attention writes K/V through slot_mapping and reads them through block_tables and seq_lens, only
+through ops/. Parameter names follow Hugging Face's, except that q/k/v_proj are fused into
+qkv_proj and gate/up_proj into gate_up_proj (see engine/models/loader.py).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ops
+
+
+@dataclass(frozen=True)
+class Qwen3Arch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step addressing shared by every layer (int32 tensors on the model's device)."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [B, M], -1 padded
+    seq_lens: torch.Tensor  # [B] tokens stored after this step's writes
+    cu_seqlens_q: torch.Tensor  # [B + 1]
+    max_seqlen_q: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables [max_positions, head_dim] in float32; applied as x*cos + rotate_half(x)*sin."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions, q, k):
+        cos, sin = self.cos[positions, None, :].to(q.dtype), self.sin[positions, None, :].to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, arch: Qwen3Arch):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, key_cache, value_cache, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q, k = rotary(positions, q, k)
+        ops.write_kv_cache(k, v.reshape(-1, self.num_kv_heads, self.head_dim), key_cache, value_cache, meta.slot_mapping)
+        if meta.is_prefill:
+            out = ops.paged_attention_prefill(
+                q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale
+            )
+        else:
+            out = ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, arch: Qwen3Arch):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, arch: Qwen3Arch):
+        super().__init__()
+        self.self_attn = Qwen3Attention(arch)
+        self.mlp = Qwen3MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, key_cache, value_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, key_cache, value_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, arch: Qwen3Arch, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions)
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        x = self.embed_tokens(input_ids)
+        for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
+            x = layer(x, positions, self.rotary, key_cache, value_cache, meta)
+        return self.norm(x)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, arch: Qwen3Arch, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.model = Qwen3Model(arch, max_positions)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_cache, meta):
+        """Final hidden states [T, hidden_size]; compute_logits takes the rows that need logits."""
+        return self.model(input_ids, positions, kv_cache, meta)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden).float()

@@ -1,0 +1,78 @@
+"""Sampling on the logits' device: greedy at temperature 0, else temperature, top-k and top-p.
+
+Randomness comes from a counter-based hash of (request seed, output index, token id), not from a
+generator's state, so a request's tokens depend only on its own seed and logits: the same seed gives
+the same output whatever else is in the batch, and after a preemption the recomputed step draws the
+same noise again. Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) picks token i
+with probability p_i.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # float32 [B]
+    top_k: torch.Tensor  # int64 [B], vocab size when off
+    top_p: torch.Tensor  # float32 [B]
+    seed: torch.Tensor  # int64 [B]
+    step: torch.Tensor  # int64 [B] index of the token being drawn
+    all_greedy: bool
+    any_truncation: bool  # some top_k or top_p is active
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], steps: list[int], vocab_size: int, device) -> "SamplingTensors":
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            seed=torch.tensor([p.seed & _MASK32 for p in params], dtype=torch.int64, device=device),
+            step=torch.tensor(steps, dtype=torch.int64, device=device),
+            all_greedy=all(p.temperature == 0 for p in params),
+            any_truncation=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
+        )
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash, in int64 arithmetic that cannot overflow."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) values [B, V], a pure function of (seed[b], step[b], token_ids[b, v])."""
+    key = _mix32(_mix32(seed) ^ step)
+    bits = _mix32(key[:, None] ^ token_ids) >> 8  # 24 bits: exact in float32
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """Sorted logits with everything outside top-k and top-p set to -inf, and their token ids."""
+    sorted_logits, token_ids = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (rank[None, :] >= top_k[:, None]) | (mass_before > top_p[:, None])
+    return sorted_logits.masked_fill(drop, float("-inf")), token_ids
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Token ids [B] from float32 logits [B, V]."""
+    greedy = logits.argmax(dim=-1)
+    if t.all_greedy:
+        return greedy
+    scaled = logits / t.temperature.clamp(min=1e-6)[:, None]
+    if t.any_truncation:
+        scaled, token_ids = truncate(scaled, t.top_k, t.top_p)
+    else:
+        token_ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
+    race = scaled.softmax(dim=-1) / -uniform_noise(t.seed, t.step, token_ids).log()
+    drawn = token_ids.gather(-1, race.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return torch.where(t.temperature == 0, greedy, drawn)

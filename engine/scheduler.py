@@ -1,0 +1,113 @@
+"""Admission, batching and preemption over the block manager.
+
+Every step is either a prefill step (chunks of prompts, under the token budget) or a decode step
+(one token for each running sequence). Admission is first come, first served: a waiting sequence is
+admitted when its whole prompt fits in the free blocks, the step's token budget has room for (a
+chunk of) it and fewer than max_num_seqs sequences run. A finished sequence frees its blocks at
+once. When a decoding sequence needs a block and none is free, the newest running sequence is
+preempted by recompute: its blocks are freed and it waits, first in line, to be prefilled again from
+its prompt and the outputs it already has.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.block_manager import KVBlockManager, blocks_needed
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens each sequence computes in this step
+    slot_mapping: np.ndarray  # int32 [sum(num_new_tokens)]
+    is_prefill: bool
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: KVBlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """The next step's batch; empty only when nothing is left to run."""
+        preemptions_before = self.num_preemptions
+        while True:
+            batch = self._schedule_prefill()
+            if not batch.seqs:
+                batch = self._schedule_decode()
+            if batch.seqs or not self.running:
+                batch.num_preempted = self.num_preemptions - preemptions_before
+                return batch
+            self._preempt(self.running[-1])  # only stalled prefill chunks are left: free the newest
+
+    def _schedule_prefill(self) -> ScheduledBatch:
+        seqs, counts, slots, budget = [], [], [], self.max_num_batched_tokens
+        manager = self.block_manager
+        for seq in (s for s in self.running if s.num_uncomputed_tokens > 1):
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0 or not manager.can_append(seq.seq_id, n):
+                break
+            seqs.append(seq), counts.append(n), slots.append(manager.append_tokens(seq.seq_id, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if blocks_needed(seq.num_tokens, manager.block_size) > manager.num_free_blocks:
+                break
+            n = min(seq.num_tokens, budget)
+            manager.create_sequence(seq.seq_id)
+            seqs.append(seq), counts.append(n), slots.append(manager.append_tokens(seq.seq_id, n))
+            budget -= n
+            seq.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+        return ScheduledBatch(seqs, counts, _concat(slots), is_prefill=True)
+
+    def _schedule_decode(self) -> ScheduledBatch:
+        manager, scheduled, slots = self.block_manager, [], []
+        pending = deque(s for s in self.running if s.num_uncomputed_tokens == 1)
+        while pending:
+            seq = pending.popleft()
+            while not manager.can_append(seq.seq_id, 1):
+                victim = self.running[-1]  # newest first; never one already scheduled
+                self._preempt(victim)
+                if victim is seq:
+                    break
+                if victim in pending:
+                    pending.remove(victim)
+            else:
+                scheduled.append(seq)
+                slots.append(manager.append_tokens(seq.seq_id, 1))
+        return ScheduledBatch(scheduled, [1] * len(scheduled), _concat(slots), is_prefill=False)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.release_sequence(seq.seq_id)
+        seq.status, seq.num_computed_tokens = Status.WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.running.remove(seq)
+        self.block_manager.release_sequence(seq.seq_id)
+
+
+def _concat(slots: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int32)

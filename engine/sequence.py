@@ -1,0 +1,52 @@
+"""Request-level state: what a sequence asks for (SamplingParams) and how far it has got (Sequence).
+
+The block-level state of a live sequence (its length in stored tokens and its block table) is the
+block manager's SequenceState; a Sequence here tracks tokens: the prompt, the outputs so far and how
+many of them already have K/V in the cache (num_computed_tokens).
+"""
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # stop | length
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]

@@ -1,0 +1,485 @@
+"""Triton versions of the three paged-KV ops (contracts: ops/reference.py and DESIGN.md).
+
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)                  (in place)
+    paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                           max_seq_len=None, num_splits=None) -> out
+    paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                            max_seqlen_q=None) -> out
+
+None of them synchronises with the host: grids and split counts come from shapes (and from the
+optional CPU-side hints), never from the values of seq_lens / cu_seqlens_q, so they can be captured
+in CUDA graphs. They are registered as torch.library custom ops (namespace ``minipaged``) so that
+torch.compile treats them as opaque calls with known fake (meta) implementations.
+
+Kernels:
+- write_kv_cache: one program per new token, scattering its [Hkv, D] rows (skipped when slot < 0).
+- decode: one program per (sequence, kv head, split). The G = Hq // Hkv query heads of a kv head
+  are packed into a tile of max(16, next_pow2(G)) rows, so each K/V tile is read once per kv head
+  and both products go through tl.dot. Online softmax over the sequence's tokens, in tiles of
+  BLOCK_N tokens; each token's physical block comes from the block table (one scalar look-up per
+  tile when the block size is a multiple of BLOCK_N). Split-KV (flash-decoding): when
+  B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
+  ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
+  second kernel merges them.
+- prefill: one program per (query tile, kv head). A query tile packs BLOCK_Q tokens x G heads
+  into BLOCK_M rows; the query tiles of all sequences are enumerated without host knowledge
+  (grid T // BLOCK_Q + B, each program finds its sequence by binary search over cu_seqlens_q).
+  The key loop has an unmasked part (keys every row may see) and a masked diagonal part.
+Every read is bounded by seq_len: no read of block-table padding, of -1 entries, or of unused
+slots of a sequence's last block.
+"""
+import functools
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------------------------
+# write_kv_cache
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr,
+    s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
+    s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
+    num_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    # (slot + 0 * h) keeps the mask a block: the interpreter rejects a scalar & block mask
+    mask = (h < num_heads) & (d < head_dim) & ((slot + 0 * h) >= 0)
+    k = tl.load(key_ptr + t * s_kt + h * s_kh + d * s_kd, mask=mask)
+    tl.store(kc_ptr + blk * s_kcb + h * s_kch + off * s_kct + d * s_kcd,
+             k.to(kc_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + t * s_vt + h * s_vh + d * s_vd, mask=mask)
+    tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd,
+             v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _write_kv_cache_impl(key, value, key_cache, value_cache, slot_mapping):
+    T = key.shape[0]
+    if T == 0:
+        return
+    _, H, bs, D = key_cache.shape
+    _write_kv_kernel[(T,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
+        H, D,
+        BLOCK_SIZE=bs, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# shared pieces of the attention kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _attn_tile(
+    q, acc, m_i, l_i, qk_scale, q_pos,
+    kc_head, vc_head, bt_row, n0, kv_end,
+    s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+    offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain).
+    MASK_KV: bound keys by kv_end; CAUSAL: also mask keys after each row's q_pos."""
+    pos = n0 + offs_n
+    if MASK_KV:
+        n_mask = pos < kv_end
+    else:
+        n_mask = pos >= 0
+    if BLOCK_SIZE % BLOCK_N == 0:
+        # the whole tile lies in one block (n0 is a multiple of BLOCK_N): one scalar look-up
+        blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slot = (pos % BLOCK_SIZE).to(tl.int64)
+    k_off = blk * s_kcb + slot * s_kct
+    v_off = blk * s_vcb + slot * s_vct
+    if MASK_KV:
+        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=d_mask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if CAUSAL:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
+    elif MASK_KV:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASK_KV:
+        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=d_mask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale, num_splits, num_q_heads,
+    s_qb, s_qh, s_qd,
+    s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
+    s_btb,
+    s_ob, s_oh, s_od,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seqlen_ptr + b)
+    if SPLIT:
+        per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per
+        end = tl.minimum(start + per, seq_len)
+    else:
+        start = 0
+        end = seq_len
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * G + offs_g
+    g_mask = offs_g < G
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(kc_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
+    vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            q, acc, m_i, l_i, qk_scale, offs_g,
+            kc_head, vc_head, bt_row, n0, end,
+            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+            offs_n, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC,
+        )
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if SPLIT:
+        # partials: [B, Hq, BLOCK_S, D] and [B, Hq, BLOCK_S], contiguous
+        row = (b.to(tl.int64) * num_q_heads + heads) * BLOCK_S + split
+        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], o,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+    else:
+        tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_q_heads,
+    s_ob, s_oh, s_od,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    row = (b.to(tl.int64) * num_q_heads + h) * BLOCK_S + offs_s
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    den = tl.sum(w, 0)
+    den = tl.where(den > 0.0, den, 1.0)
+    res = tl.sum(w[:, None] * o, 0) / den
+    tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + offs_d * s_od,
+             res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device):
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # interpreter: behave as on an H200 so that CPU tests take the same paths
+
+
+# Tunables (the benchmark may override them). Keys: "gpu" / "interp".
+DECODE_CFG = {
+    "gpu": dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    "gpu_fp32": dict(BLOCK_N=32, num_warps=4, num_stages=2),
+    "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
+}
+SPLIT_MIN_TOKENS = 256      # never cut a sequence into pieces shorter than this (on average)
+SPLIT_TARGET_WAVES = 4      # aim for this many programs per SM before splitting stops
+SPLIT_MAX = 64
+
+
+def decode_num_splits(batch, num_kv_heads, max_ctx, device):
+    """Power-of-two number of KV partitions, from shapes only (no device values)."""
+    programs = batch * num_kv_heads
+    target = SPLIT_TARGET_WAVES * _sm_count(device)
+    if programs >= target or max_ctx <= SPLIT_MIN_TOKENS:
+        return 1
+    want = triton.cdiv(target, programs)
+    cap = triton.cdiv(max_ctx, SPLIT_MIN_TOKENS)
+    n = max(1, min(want, cap, SPLIT_MAX))
+    return 1 << (n - 1).bit_length() if n > 1 else 1  # round up to a power of two
+
+
+def _dot_prec(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None, num_splits=None):
+    B, Hq, D = q.shape
+    _, Hkv, bs, _ = key_cache.shape
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    G = Hq // Hkv
+    on_gpu = q.is_cuda
+    if not on_gpu:
+        cfg = DECODE_CFG["interp"]
+    elif key_cache.dtype == torch.float32:
+        cfg = DECODE_CFG["gpu_fp32"]
+    else:
+        cfg = DECODE_CFG["gpu"]
+    BLOCK_N = cfg["BLOCK_N"]
+    max_ctx = block_tables.shape[1] * bs
+    if max_seq_len is not None:
+        max_ctx = min(max_ctx, int(max_seq_len))
+    if num_splits is None:
+        num_splits = decode_num_splits(B, Hkv, max_ctx, q.device)
+    num_splits = max(1, int(num_splits))
+    split = num_splits > 1
+    BLOCK_S = triton.next_power_of_2(num_splits)
+    BLOCK_D = triton.next_power_of_2(D)
+    if split:
+        part_o = torch.empty((B, Hq, BLOCK_S, BLOCK_D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, Hq, BLOCK_S), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(B, Hkv, num_splits)](
+        q, key_cache, value_cache, block_tables, seq_lens, out, part_o, part_lse,
+        float(scale) * LOG2E, num_splits, Hq,
+        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
+        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_D=BLOCK_D,
+        BLOCK_SIZE=bs, BLOCK_N=BLOCK_N, SPLIT=split, BLOCK_S=BLOCK_S,
+        DOT_PREC=_dot_prec(key_cache.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split:
+        _decode_reduce_kernel[(B, Hq)](
+            part_o, part_lse, out, num_splits, Hq, *out.stride(),
+            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, num_warps=4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# prefill
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
+    qk_scale, num_seqs,
+    s_qt, s_qh, s_qd,
+    s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
+    s_btb,
+    s_ot, s_oh, s_od,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    # sequence b owns programs [cu[b] // BLOCK_Q + b, cu[b] // BLOCK_Q + b + cdiv(len_q(b), BLOCK_Q))
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    q_start = tl.load(cu_ptr + b)
+    len_q = tl.load(cu_ptr + b + 1) - q_start
+    q_block_start = (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
+    if q_block_start >= len_q:
+        return
+    seq_len = tl.load(seqlen_ptr + b)
+    ctx = seq_len - len_q
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = q_block_start + offs_m // G
+    heads = kvh * G + offs_m % G
+    row_mask = (offs_m < BLOCK_Q * G) & (tok < len_q)
+    d_mask = offs_d < HEAD_DIM
+    q_pos = ctx + tok
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(kc_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
+    vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
+
+    first_pos = ctx + q_block_start                               # every row sees keys <= first_pos
+    kv_end = ctx + tl.minimum(q_block_start + BLOCK_Q, len_q)     # last row's position + 1
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            q, acc, m_i, l_i, qk_scale, q_pos,
+            kc_head, vc_head, bt_row, n0, kv_end,
+            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+            offs_n, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC,
+        )
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            q, acc, m_i, l_i, qk_scale, q_pos,
+            kc_head, vc_head, bt_row, n0, kv_end,
+            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+            offs_n, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, True, DOT_PREC,
+        )
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    tl.store(out_ptr + q_rows[:, None] * s_ot + heads[:, None] * s_oh + offs_d[None, :] * s_od,
+             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+PREFILL_CFG = {
+    "gpu": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "gpu_fp32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+    "interp": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
+}
+
+
+def _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None):
+    T, Hq, D = q.shape
+    _, Hkv, bs, _ = key_cache.shape
+    out = torch.empty_like(q)
+    B = seq_lens.shape[0]
+    if T == 0 or B == 0:
+        return out
+    G = Hq // Hkv
+    if not q.is_cuda:
+        cfg = PREFILL_CFG["interp"]
+    elif key_cache.dtype == torch.float32:
+        cfg = PREFILL_CFG["gpu_fp32"]
+    else:
+        cfg = PREFILL_CFG["gpu"]
+    BLOCK_M = max(cfg["BLOCK_M"], 16, triton.next_power_of_2(G))
+    BLOCK_Q = BLOCK_M // G
+    if max_seqlen_q is not None and q.is_cuda:
+        # short query runs (e.g. many 1-token chunks) waste most rows of a 128-row tile
+        while BLOCK_Q // 2 >= max(int(max_seqlen_q), 1) and BLOCK_M // 2 >= max(16, G):
+            BLOCK_M //= 2
+            BLOCK_Q = BLOCK_M // G
+    grid = (T // BLOCK_Q + B, Hkv)
+    _prefill_kernel[grid](
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        float(scale) * LOG2E, B,
+        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
+        G=G, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_prec(key_cache.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# registration as torch.library custom ops (opaque to torch.compile, capturable in CUDA graphs)
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("minipaged::write_kv_cache", mutates_args=("key_cache", "value_cache"))
+def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _write_kv_cache_impl(key, value, key_cache, value_cache, slot_mapping)
+
+
+@_write_kv_cache_op.register_fake
+def _(key, value, key_cache, value_cache, slot_mapping):
+    return None
+
+
+@torch.library.custom_op("minipaged::paged_attention_decode", mutates_args=())
+def _decode_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None) -> torch.Tensor:
+    return _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, num_splits)
+
+
+@_decode_op.register_fake
+def _(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None, num_splits=None):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("minipaged::paged_attention_prefill", mutates_args=())
+def _prefill_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                scale: float, max_seqlen_q: Optional[int] = None) -> torch.Tensor:
+    return _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
+
+
+@_prefill_op.register_fake
+def _(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None):
+    return torch.empty_like(q)
+
+
+# --------------------------------------------------------------------------------------------
+# public functions (same positional arguments as ops/reference.py)
+# --------------------------------------------------------------------------------------------
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+    torch.ops.minipaged.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                           max_seq_len: Optional[int] = None, num_splits: Optional[int] = None):
+    """max_seq_len: optional CPU-side upper bound of seq_lens (caps the split count; must be a true
+    bound, and constant across replays of a captured graph). num_splits: force the number of KV
+    partitions (tests, benchmarks); None picks it from shapes."""
+    return torch.ops.minipaged.paged_attention_decode(
+        q, key_cache, value_cache, block_tables, seq_lens, float(scale), max_seq_len, num_splits)
+
+
+def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                            max_seqlen_q: Optional[int] = None):
+    """max_seqlen_q: optional CPU-side upper bound of the query lengths; only picks a smaller query
+    tile for short chunks. Without it the kernel still needs no host synchronisation."""
+    return torch.ops.minipaged.paged_attention_prefill(
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q)

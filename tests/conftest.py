@@ -1,0 +1,49 @@
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from engine.config import register_configs  # noqa: E402
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+register_configs()
+
+
+@pytest.fixture
+def make_config():
+    """Compose the project's Hydra config with overrides, as `python -m engine.run` would."""
+
+    def make(*overrides: str):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return compose("config", overrides=list(overrides))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint(tmp_path_factory):
+    """A small random Qwen3 saved by transformers (weights, config, byte-level tokenizer), and the model."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from engine.tokenizer import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, pad_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(1234)
+    model = Qwen3ForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("qwen3-tiny")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model
