@@ -90,7 +90,7 @@ def _attn_tile(
     s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain).
     MASK_KV: bound keys by kv_end; CAUSAL: also mask keys after each row's q_pos."""
@@ -112,6 +112,8 @@ def _attn_tile(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=d_mask[None, :], other=0.0)
+    if UPCAST:  # interpreter: its 16-bit tl.dot is wrong (Triton 3.9), so multiply in float32
+        k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -126,6 +128,8 @@ def _attn_tile(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=d_mask[None, :], other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -143,7 +147,7 @@ def _decode_kernel(
     s_ob, s_oh, s_od,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -165,7 +169,10 @@ def _decode_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(kc_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(kc_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -179,7 +186,7 @@ def _decode_kernel(
             kc_head, vc_head, bt_row, n0, end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
             offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC, UPCAST,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -292,7 +299,7 @@ def _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_s
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
         G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_D=BLOCK_D,
         BLOCK_SIZE=bs, BLOCK_N=BLOCK_N, SPLIT=split, BLOCK_S=BLOCK_S,
-        DOT_PREC=_dot_prec(key_cache.dtype),
+        DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split:
@@ -316,6 +323,7 @@ def _prefill_kernel(
     s_ot, s_oh, s_od,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -349,7 +357,10 @@ def _prefill_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(kc_ptr.dtype.element_ty)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(kc_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -367,7 +378,7 @@ def _prefill_kernel(
             kc_head, vc_head, bt_row, n0, kv_end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
             offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC, UPCAST,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
@@ -375,7 +386,7 @@ def _prefill_kernel(
             kc_head, vc_head, bt_row, n0, kv_end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
             offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, True, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, True, True, DOT_PREC, UPCAST,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -417,7 +428,7 @@ def _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
         float(scale) * LOG2E, B,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
         G=G, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_prec(key_cache.dtype),
+        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -1,0 +1,44 @@
+"""The generate job end to end, as a user runs it: Parquet in, three Parquet files out."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_job(*overrides, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "engine.run", *overrides], cwd=cwd,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_generate_writes_three_parquet_files(tmp_path):
+    prompts = ["hello", "a much longer prompt about paged attention and block tables", "x"]
+    pq.write_table(pa.table({"id": [10, 20, 30], "prompt": prompts, "max_tokens": [3, None, 5]}), tmp_path / "in.parquet")
+    out = tmp_path / "run"
+    result = run_job(f"job.input={tmp_path / 'in.parquet'}", f"hydra.run.dir={out}", "sampling.max_tokens=7",
+                     "sampling.ignore_eos=true", "cache.block_size=8")
+    assert result.returncode == 0, result.stderr
+    generations = pq.read_table(out / "generations.parquet")
+    rows = {r["id"]: r for r in generations.to_pylist()}
+    assert sorted(rows) == [10, 20, 30]
+    assert [rows[i]["output_tokens"] for i in (10, 20, 30)] == [3, 7, 5]
+    assert all(r["finish_reason"] == "length" and r["error"] is None for r in rows.values())
+    assert rows[20]["prompt_tokens"] == len(prompts[1].encode())  # byte-level tokenizer
+    assert all(len(r["output_token_ids"]) == r["output_tokens"] for r in rows.values())
+    summary = pq.read_table(out / "summary.parquet").to_pylist()[0]
+    steps = pq.read_table(out / "steps.parquet")
+    assert summary["output_tokens"] == 15 and summary["num_requests"] == 3 and summary["block_size"] == 8
+    assert summary["num_steps"] == steps.num_rows and sum(steps["tokens"].to_pylist()) == 15 + summary["prompt_tokens"] - 3
+    meta = pq.read_schema(out / "summary.parquet").metadata
+    assert json.loads(meta[b"minipaged.config"])["cache"]["block_size"] == 8
+
+
+def test_default_job_runs_on_the_shipped_sample(tmp_path):
+    result = run_job(f"hydra.run.dir={tmp_path}", "sampling.max_tokens=4")
+    assert result.returncode == 0, result.stderr
+    table = pq.read_table(tmp_path / "generations.parquet")
+    assert table.num_rows == 16 and set(table["finish_reason"].to_pylist()) <= {"stop", "length"}

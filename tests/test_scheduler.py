@@ -1,0 +1,77 @@
+from engine.block_manager import KVBlockManager
+from engine.engine import LLMEngine
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence
+
+
+def make_seq(seq_id, prompt_len):
+    return Sequence(seq_id, str(seq_id), list(range(prompt_len)), SamplingParams())
+
+
+def test_admission_stops_at_the_block_budget():
+    # block_size 4, 5 blocks: prompts of 6 tokens need 2 blocks each -> two fit, the third waits.
+    scheduler = Scheduler(KVBlockManager(5, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    for i in range(3):
+        scheduler.add(make_seq(i, 6))
+    batch = scheduler.schedule()
+    assert batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1]
+    assert batch.num_new_tokens == [6, 6] and len(scheduler.waiting) == 1
+    assert scheduler.block_manager.num_free_blocks == 1
+
+
+def test_admission_stops_at_the_token_budget_and_chunks_the_rest():
+    scheduler = Scheduler(KVBlockManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    for i in range(3):
+        scheduler.add(make_seq(i, 4))
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [4, 4, 2] and batch.num_tokens == 10
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        seq.num_computed_tokens += n
+    follow_up = scheduler.schedule()  # the chunked prompt continues before any decode
+    assert follow_up.is_prefill and [s.seq_id for s in follow_up.seqs] == [2] and follow_up.num_new_tokens == [2]
+
+
+def test_sequence_cap():
+    scheduler = Scheduler(KVBlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        scheduler.add(make_seq(i, 3))
+    assert len(scheduler.schedule().seqs) == 2 and len(scheduler.waiting) == 1
+
+
+def test_slots_of_a_batch_follow_the_address_map():
+    manager = KVBlockManager(16, 4)
+    scheduler = Scheduler(manager, max_num_seqs=8, max_num_batched_tokens=100)
+    for i, n in enumerate((5, 3)):
+        scheduler.add(make_seq(i, n))
+    batch = scheduler.schedule()
+    expected = [t[p // 4] * 4 + p % 4 for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                for t in [manager.sequences[seq.seq_id].block_table] for p in range(n)]
+    assert batch.slot_mapping.tolist() == expected
+
+
+def test_freed_blocks_are_reused_and_nothing_leaks(make_config):
+    # 8 blocks of 4 tokens; admission needs the prompt's 2 blocks free, so at most 4 run at once, and
+    # as they grow to 16 tokens = 4 blocks each, the newest are preempted.
+    engine = LLMEngine(make_config("cache.block_size=4", "cache.num_blocks=8", "model.device=cpu"))
+    for i in range(5):
+        engine.add_request(str(i), list(range(10, 18)), SamplingParams(max_tokens=8, ignore_eos=True))
+    seen_blocks, finished = set(), []
+    while engine.scheduler.has_work():
+        for state in engine.block_manager.sequences.values():
+            seen_blocks.update(state.block_table)
+        finished += engine.step()
+        assert engine.block_manager.invariants_ok()
+    assert len(finished) == 5 and all(len(s.output_token_ids) == 8 for s in finished)
+    assert max(s.running_seqs for s in engine.stats.steps) == 4
+    assert seen_blocks == set(range(8))
+    assert engine.block_manager.num_free_blocks == 8 and not engine.block_manager.sequences
+
+
+def test_preemption_frees_the_newest_and_recomputes(make_config):
+    engine = LLMEngine(make_config("cache.block_size=2", "cache.num_blocks=10", "model.device=cpu"))
+    seqs = [engine.add_request(str(i), list(range(1, 7)), SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
+    finished = list(engine.run())
+    assert len(finished) == 3 and sum(s.preemptions for s in engine.stats.steps) > 0
+    assert seqs[-1].num_preemptions > 0 and seqs[0].num_preemptions == 0
+    # the same prompt and greedy sampling: preempted or not, every sequence produces the same tokens
+    assert seqs[0].output_token_ids == seqs[1].output_token_ids == seqs[2].output_token_ids
