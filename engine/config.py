@@ -38,7 +38,7 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     eos_token_id: int = 256
-    tokenizer: str = "bytes"  # tokenizer of the random model: byte-level
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The generate loop: requests in, finished sequences out (streamed as they finish)."""
 import itertools
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -7,13 +8,14 @@ import torch
 from engine.block_manager import KVBlockManager, blocks_needed
 from engine.config import ConfigError
 from engine.kv_cache import PagedKVCache, num_blocks_for
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, kv_bytes_left
 from engine.models.loader import build_model
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
 from engine.stats import StatsRecorder, snapshot
 from engine.tokenizer import load_tokenizer
 
+log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -40,12 +42,21 @@ class LLMEngine:
         self.model, self.eos_token_ids = build_model(cfg.model, self.device, self.dtype)
         self.tokenizer = load_tokenizer(cfg.model)
         self.block_size = cfg.cache.block_size
-        num_blocks = num_blocks_for(cfg.cache, self.model.arch, self.dtype, None,
-                                    blocks_needed(self.max_model_len, self.block_size) * cfg.scheduler.max_num_seqs)
+        max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
+        free_bytes = None
+        if self.device.type == "cuda" and cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None:
+            free_bytes = kv_bytes_left(self.model, self.device, cfg.cache.gpu_memory_utilization,
+                                       cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
+        num_blocks = num_blocks_for(cfg.cache, self.model.arch, self.dtype, free_bytes,
+                                    max_blocks_per_seq * cfg.scheduler.max_num_seqs)
         self.kv_cache = PagedKVCache(self.model.arch, num_blocks, self.block_size, self.dtype, self.device)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GB; %.1f sequences of max_model_len %d at once",
+                 num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.bytes / 1e9,
+                 num_blocks / max_blocks_per_seq, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, self.block_size)
         self.scheduler = Scheduler(self.block_manager, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device)
+        graph_batch = 0 if cfg.model.enforce_eager else cfg.scheduler.max_num_seqs
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
 
@@ -56,6 +67,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
         """Queue a request; raises RequestError, queueing nothing, if it can never run."""
         self.check_request(len(prompt_token_ids), sampling)
+        if max(prompt_token_ids) >= self.model.arch.vocab_size or min(prompt_token_ids) < 0:
+            raise RequestError(f"token ids must be in [0, {self.model.arch.vocab_size})")
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling)
         self.scheduler.add(seq)
         return seq

@@ -1,12 +1,15 @@
 """One engine step on the data plane: per-step tensors from a ScheduledBatch, the model call, sampling.
 
-Per-step metadata is built on the CPU with numpy (no per-token Python loops) and copied to the device
-once per step; every layer reads the same AttentionMetadata.
+Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
+on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode
+steps replay CUDA graphs (engine/cuda_graphs.py); prefill steps, and decode batches above the largest
+graph, run eagerly. Only the last position of each sequence gets logits.
 """
 import numpy as np
 import torch
 
 from engine.block_manager import KVBlockManager
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.qwen3 import AttentionMetadata, Qwen3ForCausalLM
 from engine.sampler import SamplingTensors, sample
@@ -14,11 +17,18 @@ from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager, device):
+    def __init__(self, model: Qwen3ForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
+                 device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0):
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.pin = device.type == "cuda"
+        self.graphs = None
+        if device.type == "cuda" and max_graph_batch > 0:
+            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.pin else tensor
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids [T], positions [T], attention metadata, and the row of each sequence's last token."""
@@ -26,28 +36,65 @@ class ModelRunner:
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, counts)
-        token_ids = [s.token_slice(a, a + n) for s, a, n in zip(batch.seqs, starts.tolist(), counts.tolist())]
-        input_ids = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=int(cu_seqlens[-1]))
-        seq_ids = [s.seq_id for s in batch.seqs]
+        if batch.is_prefill:
+            input_ids = np.concatenate([s.token_slice(a, a + n) for s, a, n in zip(batch.seqs, starts.tolist(), counts.tolist())])
+        else:
+            input_ids = np.array([s.token_slice(a, a + 1)[0] for s, a in zip(batch.seqs, starts.tolist())], dtype=np.int64)
+        block_tables = self.block_manager.get_block_table_tensor([s.seq_id for s in batch.seqs]).numpy()
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,
             slot_mapping=self._to_device(batch.slot_mapping),
-            block_tables=self.block_manager.get_block_table_tensor(seq_ids).to(self.device, non_blocking=True),
+            block_tables=self._to_device(block_tables),
             seq_lens=self._to_device((starts + counts).astype(np.int32)),
             cu_seqlens_q=self._to_device(cu_seqlens),
             max_seqlen_q=int(counts.max()),
         )
         last_rows = self._to_device(cu_seqlens[1:].astype(np.int64) - 1)
-        return self._to_device(input_ids), self._to_device(positions), meta, last_rows
+        return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, last_rows
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if not meta.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Run the batch; returns one sampled token per sequence (meaningful where its chunk ends its prefill)."""
         input_ids, positions, meta, last_rows = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        hidden = self.forward(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[last_rows])
         params = SamplingTensors.build(
             [s.sampling for s in batch.seqs], [len(s.output_token_ids) for s in batch.seqs],
             self.model.arch.vocab_size, self.device,
         )
         return sample(logits, params).tolist()
+
+
+@torch.inference_mode()
+def kv_bytes_left(model: Qwen3ForCausalLM, device, utilization: float, max_tokens: int, max_seqs: int) -> int:
+    """Device memory left for KV blocks: utilization * total, minus the peak of a warm-up step at the
+    largest token budget (weights, activations, logits of max_seqs rows)."""
+    arch = model.arch
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_seqs = min(max_seqs, max_tokens)
+    counts = np.full(num_seqs, max_tokens // num_seqs)
+    counts[: max_tokens % num_seqs] += 1
+    warm_cache = PagedKVCache(arch, max_tokens, 1, model.lm_head.weight.dtype, device)  # block size 1: slot = block
+    cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    slots = torch.arange(max_tokens, dtype=torch.int32, device=device)
+    tables = torch.full((num_seqs, int(counts.max())), -1, dtype=torch.int32, device=device)
+    for b, (start, n) in enumerate(zip(cu_seqlens[:-1].tolist(), counts.tolist())):
+        tables[b, :n] = slots[start:start + n]
+    meta = AttentionMetadata(True, slots, tables, torch.from_numpy(counts.astype(np.int32)).to(device),
+                             torch.from_numpy(cu_seqlens).to(device), int(counts.max()))
+    input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+    positions = torch.from_numpy(np.arange(max_tokens) - np.repeat(cu_seqlens[:-1], counts)).to(device)
+    hidden = model(input_ids, positions, warm_cache, meta)
+    model.compute_logits(hidden[:num_seqs].contiguous())
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device) - warm_cache.bytes
+    del warm_cache, hidden
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(int(total * utilization) - peak, 0)

@@ -48,7 +48,7 @@ def engine_outputs(config, prompts):
 def test_greedy_matches_transformers(make_config, qwen3_checkpoint, prompts_and_reference, block_size):
     path, _ = qwen3_checkpoint
     prompts, expected = prompts_and_reference
-    config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=cpu",
+    config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto",
                          "model.dtype=float32", f"cache.block_size={block_size}")
     outputs, _ = engine_outputs(config, prompts)
     assert outputs == expected
@@ -59,7 +59,7 @@ def test_greedy_matches_transformers_with_queueing_chunking_and_preemption(
 ):
     path, _ = qwen3_checkpoint
     prompts, expected = prompts_and_reference
-    config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=cpu",
+    config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto",
                          "model.dtype=float32", "cache.block_size=4", "cache.num_blocks=24",
                          "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=16",
                          "cache.check_invariants=true")

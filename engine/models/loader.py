@@ -113,3 +113,39 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[Qw
     else:
         init_random_weights(model, model_cfg.seed, model_cfg.initializer_range)
     return model.to(device=device, dtype=dtype).eval(), eos
+
+
+def to_hf_model(model: Qwen3ForCausalLM):
+    """transformers' Qwen3ForCausalLM with this model's weights (unfused), on its device and dtype."""
+    from transformers import Qwen3Config
+    from transformers import Qwen3ForCausalLM as HFQwen3
+
+    arch, weight = model.arch, model.lm_head.weight
+    config = Qwen3Config(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim, rms_norm_eps=arch.rms_norm_eps,
+        tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.attention_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
+        max_position_embeddings=model.model.rotary.cos.shape[0],
+    )
+    hf_model = HFQwen3(config).to(device=weight.device, dtype=weight.dtype).eval()
+    hf_model.load_state_dict(unfused_state_dict(model), strict=not arch.tie_word_embeddings)
+    return hf_model
+
+
+def unfused_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters under Hugging Face's names, fused projections split back."""
+    attn = model.model.layers[0].self_attn
+    sizes = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
+             "gate_up_proj": [model.arch.intermediate_size] * 2}
+    parts = {fused: [hf for hf, (f, _) in FUSED.items() if f == fused] for fused in sizes}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        fused = next((f for f in sizes if f".{f}." in name), None)
+        if fused is None:
+            state[name] = tensor
+            continue
+        for hf_part, piece in zip(parts[fused], tensor.split(sizes[fused])):
+            state[name.replace(fused, hf_part)] = piece
+    return state

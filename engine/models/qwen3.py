@@ -93,7 +93,8 @@ class Qwen3Attention(nn.Module):
         ops.write_kv_cache(k, v.reshape(-1, self.num_kv_heads, self.head_dim), key_cache, value_cache, meta.slot_mapping)
         if meta.is_prefill:
             out = ops.paged_attention_prefill(
-                q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale
+                q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale,
+                max_seqlen_q=meta.max_seqlen_q,
             )
         else:
             out = ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale)
