@@ -104,8 +104,13 @@ class KVBlockManager:
         return self.free_blocks.popleft()
 
     def append_token(self, sequence_id: int) -> int:
-        """Store one more token for this sequence; returns its slot."""
-        return int(self.append_tokens(sequence_id, 1)[0])
+        """Store one more token for this sequence; returns its slot (the decode path: plain Python)."""
+        state = self.state(sequence_id)
+        pos = state.sequence_length
+        if pos == len(state.block_table) * self.block_size:
+            state.block_table.append(self.allocate_block())
+        state.sequence_length = pos + 1
+        return state.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def append_tokens(self, sequence_id: int, num_tokens: int) -> np.ndarray:
         """Store num_tokens more tokens for this sequence, allocating blocks as boundaries are crossed.

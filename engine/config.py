@@ -72,8 +72,9 @@ class GenerateJob:
     name: str = "generate"
     input: Optional[str] = None  # None: the sample prompts shipped in jobs/
     prompt_column: str = "prompt"
-    id_column: str = "id"
+    id_column: Optional[str] = None  # None: column "id" when the input has one, else row numbers
     flush_every: int = 256  # finished rows per Parquet part
+    flush_interval_s: float = 60.0  # also flush when the oldest unsaved row is this old (0: off)
 
 
 @dataclass
@@ -116,8 +117,41 @@ def _check(ok: bool, field_name: str, message: str, value: Any) -> None:
         raise ConfigError(f"{field_name} {message}, got {value!r}")
 
 
+def check_keys(cfg) -> None:
+    """Reject keys the schemas do not know: Hydra rejects `cache.blok_size=3` itself, but lets
+    `+cache.blok_size=3` (append) through."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    def walk(node, schema, prefix: str) -> None:
+        known = {f.name: f for f in dataclasses.fields(schema)}
+        for key in node.keys():
+            if key not in known:
+                where = f"{prefix}.{key}" if prefix else key
+                raise ConfigError(f"unknown config key {where!r}; {prefix or 'top-level'} keys: {sorted(known)}")
+            child = node._get_node(key)
+            child_type = OmegaConf.get_type(child) if OmegaConf.is_config(child) else None
+            if OmegaConf.is_dict(child) and child_type is not None and dataclasses.is_dataclass(child_type):
+                walk(child, child_type, f"{prefix}.{key}" if prefix else key)
+
+    schema = OmegaConf.get_type(cfg)
+    walk(cfg, schema if schema is not None and dataclasses.is_dataclass(schema) else Config, "")
+
+
+def check_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """A pool must hold at least one sequence of max_model_len, or a request could never finish."""
+    need = -(-max_model_len // block_size)
+    if num_blocks < need:
+        raise ConfigError(
+            f"cache: a pool of {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens) cannot "
+            f"hold one sequence of model.max_model_len {max_model_len} ({need} blocks); raise cache.num_blocks "
+            f"(or cache.kv_budget_gb, cache.gpu_memory_utilization) or lower model.max_model_len")
+
+
 def validate(cfg) -> None:
     """Raise ConfigError naming the first field whose value cannot work."""
+    check_keys(cfg)
     m, c, s, p = cfg.model, cfg.cache, cfg.scheduler, cfg.sampling
     _check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}", m.dtype)
     _check(m.device in DEVICES, "model.device", f"must be one of {DEVICES}", m.device)
@@ -131,6 +165,14 @@ def validate(cfg) -> None:
     _check(p.temperature >= 0, "sampling.temperature", "must be >= 0", p.temperature)
     _check(0 < p.top_p <= 1, "sampling.top_p", "must be in (0, 1]", p.top_p)
     _check(p.max_tokens >= 1, "sampling.max_tokens", "must be >= 1", p.max_tokens)
+    if c.num_blocks is not None:
+        check_pool(c.num_blocks, c.block_size, m.max_model_len)
+    if cfg.job.name == "generate":
+        j = cfg.job
+        _check(j.flush_every >= 1, "job.flush_every", "must be >= 1", j.flush_every)
+        _check(j.flush_interval_s >= 0, "job.flush_interval_s", "must be >= 0", j.flush_interval_s)
+        _check(bool(j.prompt_column), "job.prompt_column", "must name a column", j.prompt_column)
+        _check(j.id_column is None or bool(j.id_column), "job.id_column", "must name a column or be null", j.id_column)
     if cfg.job.name == "bench":
         for key in ("input_len", "output_len"):
             lo_hi = list(cfg.job[key])

@@ -31,6 +31,11 @@ def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
     name = model_cfg.dtype if model_cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     if device.type == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise ConfigError("model.dtype bfloat16 is not supported by this CUDA device; use float16")
+    try:  # a dtype the device cannot compute in fails here, with its name, not in the first step
+        probe = torch.ones(2, 2, dtype=DTYPES[name], device=device)
+        torch.nn.functional.silu(probe @ probe).softmax(-1).sum().item()
+    except (RuntimeError, TypeError) as err:
+        raise ConfigError(f"model.dtype {name} cannot run on {device.type}: {err}") from None
     return device, DTYPES[name]
 
 

@@ -39,7 +39,7 @@ class ModelRunner:
         if batch.is_prefill:
             input_ids = np.concatenate([s.token_slice(a, a + n) for s, a, n in zip(batch.seqs, starts.tolist(), counts.tolist())])
         else:
-            input_ids = np.array([s.token_slice(a, a + 1)[0] for s, a in zip(batch.seqs, starts.tolist())], dtype=np.int64)
+            input_ids = np.array([s.last_token for s in batch.seqs], dtype=np.int64)
         block_tables = self.block_manager.get_block_table_tensor([s.seq_id for s in batch.seqs]).numpy()
         meta = AttentionMetadata(
             is_prefill=batch.is_prefill,

@@ -92,8 +92,8 @@ class Scheduler:
                     pending.remove(victim)
             else:
                 scheduled.append(seq)
-                slots.append(manager.append_tokens(seq.seq_id, 1))
-        return ScheduledBatch(scheduled, [1] * len(scheduled), _concat(slots), is_prefill=False)
+                slots.append(manager.append_token(seq.seq_id))
+        return ScheduledBatch(scheduled, [1] * len(scheduled), np.array(slots, dtype=np.int32), is_prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -45,8 +45,12 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
     def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + outputs, without concatenating the two."""
         prompt_len = len(self.prompt_token_ids)
-        if stop <= prompt_len:
-            return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        head = self.prompt_token_ids[start:stop]
+        return head + self.output_token_ids[max(start - prompt_len, 0):stop - prompt_len] if stop > prompt_len else head

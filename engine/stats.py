@@ -1,13 +1,27 @@
 """Per-step and per-run statistics: the rows of steps.parquet and summary.parquet.
 
-Per step (measured after scheduling, when the step's slots are allocated):
-    paged_kv_utilization_pct      = stored tokens / allocated slots (blocks used * block_size)
-    internal_waste_pct            = waste slots / allocated slots, waste = sum over live seqs of -L % B
-    contiguous_kv_utilization_pct = stored tokens / (live seqs * max_model_len): a cache that reserves
-                                    max_model_len contiguous slots per sequence, on the same trace
+Per step (measured after scheduling, when the step's slots are allocated and its new tokens counted):
+    allocated_slots               = blocks used * block_size
+    internal_waste_tokens         = sum over live sequences of (-L % B): the unused tail of each last block
+    paged_kv_utilization_pct      = stored tokens / allocated slots
+    internal_waste_pct            = waste slots / allocated slots (= 100 - utilization, no block is shared)
+    contiguous_reserved_slots     = live sequences * max_model_len: what a cache that reserves max_model_len
+                                    contiguous slots per sequence would hold back for the same sequences
+    contiguous_kv_utilization_pct = stored tokens / contiguous_reserved_slots
+    block_table_bytes             = 4 bytes (int32) per block-table entry of the live sequences
+A step with no live sequence has no defined utilization (0 in its row); run-level means skip such steps.
+
+Per run (StatsRecorder.summary), from the steps:
+    peak_/mean_paged_kv_utilization_pct, mean_internal_waste_pct, contiguous_kv_utilization_pct (mean over
+    the steps, like the paged mean), peak_contiguous_kv_utilization_pct, peak_blocks_used, peak_block_table_bytes,
+    max_/mean_running_seqs, preemptions, wall_time_s, and the counterfactual's capacity:
+    contiguous_max_concurrent_seqs = (num_blocks * block_size) // max_model_len, the sequences a contiguous
+    cache of the same KV memory could hold at once (compare with max_running_seqs).
 """
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+
+import pyarrow as pa
 
 from engine.block_manager import KVBlockManager
 
@@ -31,6 +45,7 @@ class StepStats:
     internal_waste_tokens: int
     paged_kv_utilization_pct: float
     internal_waste_pct: float
+    contiguous_reserved_slots: int
     contiguous_kv_utilization_pct: float
     block_table_bytes: int
     preemptions: int
@@ -38,24 +53,42 @@ class StepStats:
     step_time_s: float = 0.0
 
 
+_ARROW_TYPES = {int: pa.int64(), float: pa.float64(), str: pa.string()}
+STEPS_SCHEMA = pa.schema([(f.name, _ARROW_TYPES[f.type]) for f in fields(StepStats)])
+
+
 def snapshot(step, batch, scheduler, manager: KVBlockManager, max_model_len: int) -> StepStats:
     stored, waste = manager.stored_tokens(), manager.internal_fragmentation_tokens()
     allocated = manager.num_used_blocks * manager.block_size
-    live = len(manager.sequences)
+    reserved = len(manager.sequences) * max_model_len
     return StepStats(
         step=step, phase="prefill" if batch.is_prefill else "decode", seqs=len(batch.seqs),
         tokens=batch.num_tokens, running_seqs=len(scheduler.running), waiting_seqs=len(scheduler.waiting),
         blocks_used=manager.num_used_blocks, blocks_free=manager.num_free_blocks, stored_tokens=stored,
         allocated_slots=allocated, internal_waste_tokens=waste,
         paged_kv_utilization_pct=pct(stored, allocated), internal_waste_pct=pct(waste, allocated),
-        contiguous_kv_utilization_pct=pct(stored, live * max_model_len),
-        block_table_bytes=4 * manager.num_used_blocks, preemptions=batch.num_preempted,
+        contiguous_reserved_slots=reserved, contiguous_kv_utilization_pct=pct(stored, reserved),
+        block_table_bytes=4 * sum(len(s.block_table) for s in manager.sequences.values()),
+        preemptions=batch.num_preempted,
     )
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+def _peak(values) -> float:
+    return float(max(values, default=0.0))
 
 
 class StatsRecorder:
     def __init__(self):
         self.steps: list[StepStats] = []
+        self.start = self._last = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """Start timing now (the generate loop begins): wall time and the first step's time count from here."""
         self.start = self._last = time.perf_counter()
 
     def lap(self) -> float:
@@ -70,22 +103,30 @@ class StatsRecorder:
     def rows(self) -> list[dict]:
         return [asdict(s) for s in self.steps]
 
+    def table(self) -> pa.Table:
+        """steps.parquet: one row per step, with its schema even when there is no step."""
+        return pa.Table.from_pylist(self.rows(), schema=STEPS_SCHEMA)
+
     def summary(self, num_blocks: int, block_size: int, max_model_len: int) -> dict:
         """Run-level figures from the steps (the config part of summary.parquet is added by the job)."""
-        steps, n = self.steps, max(len(self.steps), 1)
+        steps = self.steps
+        live = [s for s in steps if s.allocated_slots > 0]  # steps with a defined utilization
+        end = self._last if steps else time.perf_counter()
         return {
-            "wall_time_s": time.perf_counter() - self.start,
+            "wall_time_s": end - self.start,
             "num_steps": len(steps),
             "prefill_steps": sum(s.phase == "prefill" for s in steps),
             "decode_steps": sum(s.phase == "decode" for s in steps),
             "peak_blocks_used": max((s.blocks_used for s in steps), default=0),
-            "peak_paged_kv_utilization_pct": max((s.paged_kv_utilization_pct for s in steps), default=0.0),
-            "mean_paged_kv_utilization_pct": sum(s.paged_kv_utilization_pct for s in steps) / n,
-            "mean_internal_waste_pct": sum(s.internal_waste_pct for s in steps) / n,
+            "peak_paged_kv_utilization_pct": _peak(s.paged_kv_utilization_pct for s in live),
+            "mean_paged_kv_utilization_pct": _mean(s.paged_kv_utilization_pct for s in live),
+            "mean_internal_waste_pct": _mean(s.internal_waste_pct for s in live),
+            "peak_internal_waste_tokens": max((s.internal_waste_tokens for s in steps), default=0),
             "max_running_seqs": max((s.running_seqs for s in steps), default=0),
-            "mean_running_seqs": sum(s.running_seqs for s in steps) / n,
+            "mean_running_seqs": _mean(s.running_seqs for s in steps),
             "preemptions": sum(s.preemptions for s in steps),
             "peak_block_table_bytes": max((s.block_table_bytes for s in steps), default=0),
-            "mean_contiguous_kv_utilization_pct": sum(s.contiguous_kv_utilization_pct for s in steps) / n,
+            "contiguous_kv_utilization_pct": _mean(s.contiguous_kv_utilization_pct for s in live),
+            "peak_contiguous_kv_utilization_pct": _peak(s.contiguous_kv_utilization_pct for s in live),
             "contiguous_max_concurrent_seqs": num_blocks * block_size // max_model_len,
         }

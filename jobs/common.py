@@ -5,6 +5,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
+import torch
 from hydra.core.hydra_config import HydraConfig
 from tqdm import tqdm
 
@@ -22,6 +23,7 @@ def run_dir() -> Path:
 def drive(engine: LLMEngine, total: int, on_finish: Callable[[Sequence], None]) -> int:
     """Run the engine to completion; on_finish sees each sequence as it finishes. Returns output tokens."""
     output_tokens = 0
+    engine.stats.restart_clock()  # time the generate loop, not the set-up before it
     with tqdm(total=total, unit="req", desc="generate", dynamic_ncols=True) as bar:
         for seq in engine.run():
             on_finish(seq)
@@ -32,12 +34,15 @@ def drive(engine: LLMEngine, total: int, on_finish: Callable[[Sequence], None]) 
 
 
 def run_summary(engine: LLMEngine, cfg, num_requests: int, num_errors: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """One row of summary.parquet: the config that matters, then the run's figures (engine/stats.py)."""
     stats = engine.stats.summary(engine.num_blocks, engine.block_size, engine.max_model_len)
     wall = stats["wall_time_s"]
     return {
         "job": cfg.job.name, "model": cfg.model.name, "model_path": cfg.model.path or "",
         "dtype": str(engine.dtype).removeprefix("torch."), "device": engine.device.type,
-        "block_size": engine.block_size, "num_blocks": engine.num_blocks, "kv_budget_bytes": engine.kv_cache.bytes,
+        "device_name": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
+        "block_size": engine.block_size, "num_blocks": engine.num_blocks,
+        "kv_slots": engine.num_blocks * engine.block_size, "kv_budget_bytes": engine.kv_cache.bytes,
         "max_model_len": engine.max_model_len, "max_num_seqs": cfg.scheduler.max_num_seqs,
         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "num_requests": num_requests, "num_errors": num_errors,
@@ -49,7 +54,7 @@ def run_summary(engine: LLMEngine, cfg, num_requests: int, num_errors: int, prom
 
 
 def write_run_stats(engine: LLMEngine, cfg, directory: Path, summary: dict) -> None:
-    write_atomic(pa.Table.from_pylist(engine.stats.rows()), directory / "steps.parquet", cfg)
+    write_atomic(engine.stats.table(), directory / "steps.parquet", cfg)
     write_atomic(pa.Table.from_pylist([summary]), directory / "summary.parquet", cfg)
     log.info("%d requests, %d output tokens in %.2f s: %.1f output tok/s; wrote %s",
              summary["num_requests"], summary["output_tokens"], summary["wall_time_s"],
