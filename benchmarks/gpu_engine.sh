@@ -14,3 +14,4 @@ bench nano job.workload=nano
 [ "${1:-}" = quick ] && exit 0
 bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
 bench greedy_match job.num_prompts=64 job.input_len=[100,1024] job.output_len=[32,32] job.baseline=hf sampling.temperature=0
+python3 benchmarks/profile_decode.py 256 1024 2>&1 | grep -v Warning | head -30 | tee "$out/profile.log"

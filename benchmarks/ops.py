@@ -168,12 +168,13 @@ def prefill_flops(nseq, L):
 
 def run_prefill(mm_tflops, shapes, bs=16):
     log(f"\n## prefill (bf16, causal, no cached prefix, block_size {bs}; % = of the matmul above)")
-    hdr = "| seqs x tokens | time us | TFLOP/s | % matmul | SDPA us | SDPA TFLOP/s |"
+    hdr = "| seqs x tokens | time us (graph) | TFLOP/s | % matmul | eager us | SDPA us (eager) | SDPA TFLOP/s |"
     log(hdr)
     log("|" + "---|" * (hdr.count("|") - 1))
     for nseq, L in shapes:
         fn = prefill_case(nseq, L, bs)
-        ms = bench(fn)
+        ms = bench(fn, graph=True)
+        eager_ms = bench(fn)
         tf = prefill_flops(nseq, L) / ms / 1e9
         q = torch.randn(nseq, HQ, L, D, dtype=DT, device="cuda")
         k = torch.randn(nseq, HKV, L, D, dtype=DT, device="cuda")
@@ -183,7 +184,7 @@ def run_prefill(mm_tflops, shapes, bs=16):
             s = f"{sms * 1e3:.0f} | {prefill_flops(nseq, L) / sms / 1e9:.0f}"
         except Exception as e:  # noqa: BLE001
             s = f"n/a ({type(e).__name__}) | n/a"
-        log(f"| {nseq} x {L} | {ms * 1e3:.0f} | {tf:.0f} | {100 * tf / mm_tflops:.0f}% | {s} |")
+        log(f"| {nseq} x {L} | {ms * 1e3:.0f} | {tf:.0f} | {100 * tf / mm_tflops:.0f}% | {eager_ms * 1e3:.0f} | {s} |")
         torch.cuda.empty_cache()
 
 

@@ -92,7 +92,8 @@ class BenchJob:
 @dataclass
 class AnalyzeJob:
     name: str = "analyze"
-    root: str = MISSING  # a sweep directory
+    root: str = MISSING  # a sweep directory: every summary.parquet below it is one run
+    out: Optional[str] = None  # where sweep.parquet and the plots go; None: job.root
     plots: bool = True
 
 

@@ -16,6 +16,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    @torch.inference_mode()
     def __init__(self, model, kv_cache, max_batch: int, max_blocks_per_seq: int, device):
         self.model, self.kv_cache = model, kv_cache
         self.buckets = bucket_sizes(max_batch)

@@ -64,6 +64,17 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run a short and a long request through every path (prefill, decode, sampling) so that kernel
+        compilation stays out of the timed run."""
+        long_prompt = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len, self.num_blocks * self.block_size) - 2
+        for i, length in enumerate((1, long_prompt)):
+            self.add_request(f"warm-up-{i}", [0] * length, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True))
+        list(self.run())
+        self.stats = StatsRecorder()  # the warm-up is not part of the run
 
     @property
     def num_blocks(self) -> int:

@@ -18,10 +18,10 @@ def main(cfg: DictConfig) -> None:
     try:
         validate(cfg)
         importlib.import_module(f"jobs.{cfg.job.name}").run(cfg)
-    except (ConfigError, JobError) as err:
+    except (ConfigError, JobError) as err:  # a problem of the input or the settings: one line, no traceback
         log.error("%s", err)
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(getattr(err, "exit_code", 1))
 
 
 if __name__ == "__main__":

@@ -243,8 +243,8 @@ DECODE_CFG = {
     "gpu_fp32": dict(BLOCK_N=32, num_warps=4, num_stages=2),
     "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
 }
-SPLIT_MIN_TOKENS = 256      # never cut a sequence into pieces shorter than this (on average)
-SPLIT_TARGET_WAVES = 4      # aim for this many programs per SM before splitting stops
+SPLIT_MIN_TOKENS = 128      # never cut a sequence into pieces shorter than this (on average)
+SPLIT_TARGET_WAVES = 2      # aim for this many programs per SM before splitting stops
 SPLIT_MAX = 64
 
 
@@ -395,7 +395,8 @@ def _prefill_kernel(
 
 
 PREFILL_CFG = {
-    "gpu": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "gpu": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    "gpu_large_d": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),  # head_dim > 128
     "gpu_fp32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
     "interp": dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1),
 }
@@ -413,6 +414,8 @@ def _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
         cfg = PREFILL_CFG["interp"]
     elif key_cache.dtype == torch.float32:
         cfg = PREFILL_CFG["gpu_fp32"]
+    elif D > 128:
+        cfg = PREFILL_CFG["gpu_large_d"]
     else:
         cfg = PREFILL_CFG["gpu"]
     BLOCK_M = max(cfg["BLOCK_M"], 16, triton.next_power_of_2(G))
@@ -475,8 +478,17 @@ def _(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, ma
 # --------------------------------------------------------------------------------------------
 # public functions (same positional arguments as ops/reference.py)
 # --------------------------------------------------------------------------------------------
+# Outside torch.compile tracing the ops call their implementations directly: the custom-op
+# dispatcher costs ~15 us of CPU per call, which short eager calls would feel (CUDA-graph capture
+# needs no dispatcher either). Under torch.compile they go through torch.ops.minipaged.*.
+_compiling = torch.compiler.is_compiling
+
+
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
-    torch.ops.minipaged.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    if _compiling():
+        torch.ops.minipaged.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        _write_kv_cache_impl(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -484,13 +496,17 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, sc
     """max_seq_len: optional CPU-side upper bound of seq_lens (caps the split count; must be a true
     bound, and constant across replays of a captured graph). num_splits: force the number of KV
     partitions (tests, benchmarks); None picks it from shapes."""
-    return torch.ops.minipaged.paged_attention_decode(
-        q, key_cache, value_cache, block_tables, seq_lens, float(scale), max_seq_len, num_splits)
+    if _compiling():
+        return torch.ops.minipaged.paged_attention_decode(
+            q, key_cache, value_cache, block_tables, seq_lens, float(scale), max_seq_len, num_splits)
+    return _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, num_splits)
 
 
 def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                             max_seqlen_q: Optional[int] = None):
     """max_seqlen_q: optional CPU-side upper bound of the query lengths; only picks a smaller query
     tile for short chunks. Without it the kernel still needs no host synchronisation."""
-    return torch.ops.minipaged.paged_attention_prefill(
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q)
+    if _compiling():
+        return torch.ops.minipaged.paged_attention_prefill(
+            q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q)
+    return _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)

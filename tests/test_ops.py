@@ -315,6 +315,26 @@ def test_torch_compile_fullgraph(gen):
     assert torch.equal(kc2[slots[0] // 16, :, slots[0] % 16], k_new[0])
 
 
+def test_registered_custom_ops(gen):
+    """The torch.library ops (what torch.compile sees) compute the same as the eager entry points."""
+    from ops import triton_ops  # noqa: F401  (registers torch.ops.minipaged.*)
+
+    dtype = torch.float32
+    args = decode_inputs((8, 8, 2, 64, [9, 30]), dtype, gen)
+    check(torch.ops.minipaged.paged_attention_decode(*args), decode_oracle(*args), dtype, gen, "op decode")
+    pargs = prefill_inputs((8, 8, 2, 64, [(9, 9), (30, 12)]), dtype, gen)
+    check(torch.ops.minipaged.paged_attention_prefill(*pargs), oracle(*pargs), dtype, gen, "op prefill")
+    key_cache = torch.zeros(4, 2, 8, 64, device=DEVICE)
+    value_cache = torch.zeros(4, 2, 8, 64, device=DEVICE)
+    key = torch.randn(3, 2, 64, generator=gen).to(DEVICE)
+    torch.ops.minipaged.write_kv_cache(key, -key, key_cache, value_cache,
+                                       torch.tensor([5, -1, 30], dtype=torch.int32, device=DEVICE))
+    assert torch.equal(key_cache[0, :, 5], key[0]) and torch.equal(value_cache[3, :, 6], -key[2])
+    assert key_cache.count_nonzero() == 2 * 2 * 64
+    sample = decode_inputs((8, 4, 2, 64, [3, 9]), dtype, gen)
+    torch.library.opcheck(torch.ops.minipaged.paged_attention_decode.default, sample)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture(gen):
     dtype = torch.bfloat16
@@ -328,7 +348,7 @@ def test_cuda_graph_capture(gen):
     with torch.cuda.graph(graph):
         out_d = ops.paged_attention_decode(q, key_cache, value_cache, bt, seq_lens, scale)
         out_p = ops.paged_attention_prefill(*pargs)
-    for new_lens in ([1, 100, 1000, 17], [16, 3, 999, 1]):  # new values, same shapes
+    for new_lens in ([1, 100, 1000, 17], [1, 37, 513, 9]):  # new values (within what was written), same shapes
         seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         out_d.fill_(NAN)
         out_p.fill_(NAN)

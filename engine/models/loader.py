@@ -112,7 +112,7 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[Qw
         load_weights(model, Path(model_cfg.path))
     else:
         init_random_weights(model, model_cfg.seed, model_cfg.initializer_range)
-    return model.to(device=device, dtype=dtype).eval(), eos
+    return model.requires_grad_(False).to(device=device, dtype=dtype).eval(), eos
 
 
 def to_hf_model(model: Qwen3ForCausalLM):
