@@ -68,7 +68,7 @@ def snapshot(step, batch, scheduler, manager: KVBlockManager, max_model_len: int
         allocated_slots=allocated, internal_waste_tokens=waste,
         paged_kv_utilization_pct=pct(stored, allocated), internal_waste_pct=pct(waste, allocated),
         contiguous_reserved_slots=reserved, contiguous_kv_utilization_pct=pct(stored, reserved),
-        block_table_bytes=4 * sum(len(s.block_table) for s in manager.sequences.values()),
+        block_table_bytes=4 * manager.num_used_blocks,  # each used block is one int32 entry of one block table
         preemptions=batch.num_preempted,
     )
 

@@ -58,6 +58,10 @@ SHOWN_KEYS = {"cache.block_size", "cache.num_blocks"}  # swept keys the table al
 
 
 # -- finding and reading the runs ------------------------------------------------------------------
+def first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 def find_runs(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
     """summary.parquet files below root, and run directories that have none (with the reason)."""
     summaries = sorted(root.rglob("summary.parquet"))
@@ -80,7 +84,7 @@ def check_schema(path: Path) -> tuple[pa.Schema | None, str | None]:
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as err:
-        return None, f"not a readable Parquet file ({str(err).splitlines()[0]})"
+        return None, f"not a readable Parquet file ({first_line(err)})"
     version = schema_version(schema)
     if version is None:
         return None, "foreign file: no minipaged.schema_version in its metadata"
@@ -112,14 +116,18 @@ def read_summaries(paths: list[Path]) -> tuple[list[tuple[Path, dict, pa.Table]]
             fragment = fragments[Path(str(path))]
             table = fragment.to_table(schema=fragment.physical_schema)
         except (pa.ArrowException, OSError) as err:
-            skipped.append((path.parent, f"unreadable ({str(err).splitlines()[0]})"))
+            skipped.append((path.parent, f"unreadable ({first_line(err)})"))
             continue
         if table.num_rows != 1:
             skipped.append((path.parent, f"expected one row, found {table.num_rows}"))
             continue
         renames = RENAMED.get(schema_version(schema), {})
         table = table.rename_columns([renames.get(n, n) for n in table.column_names]).replace_schema_metadata(None)
-        good.append((path, flatten(schema_config(schema)), table))
+        try:
+            config = flatten(schema_config(schema))
+        except ValueError:  # metadata that is not JSON: compare the run without its config
+            config = {}
+        good.append((path, config, table))
     return good, skipped
 
 
@@ -135,7 +143,7 @@ def combine(good: list[tuple[Path, dict, pa.Table]]) -> tuple[list, pa.Table, li
         try:
             merged = entry[2] if table is None else pa.concat_tables([table, entry[2]], promote_options="permissive")
         except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-            skipped.append((entry[0].parent, f"column types clash with the other runs ({str(err).splitlines()[0]})"))
+            skipped.append((entry[0].parent, f"column types clash with the other runs ({first_line(err)})"))
             continue
         kept.append(entry)
         table = merged
@@ -244,15 +252,22 @@ def format_table(sweep: pa.Table, swept: list[str]) -> str:
     left = len(extra)  # text columns align left, numbers right
 
     def line(cells):
-        return "| " + " | ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        padded = (c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "| " + " | ".join(padded) + " |"
 
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if i >= left else ":" + "-" * (w + 1) for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(header), rule] + [line(r) for r in body])
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if i >= left else (":" + "-" * (w + 1)) for i, w in enumerate(widths))
+    return "\n".join([line(header), rule + "|"] + [line(r) for r in body])
 
 
 # -- the plots -------------------------------------------------------------------------------------
+def short_key(key: str) -> str:
+    """cache.block_size -> block_size; model.name -> model."""
+    parts = key.split(".")
+    return parts[-2] if parts[-1] == "name" and len(parts) > 1 else parts[-1]
+
+
 def label_of(row: dict, keys: list[str]) -> str:
-    return ", ".join(f"{k.split('.')[-1]}={row[k]}" for k in keys)
+    return ", ".join(f"{short_key(k)}={row[k]}" for k in keys)
 
 
 def read_steps(root: Path, sweep: pa.Table) -> dict[str, pa.Table]:
@@ -262,7 +277,7 @@ def read_steps(root: Path, sweep: pa.Table) -> dict[str, pa.Table]:
         try:
             steps[run] = pq.read_table(path, columns=["step", "paged_kv_utilization_pct"])
         except (pa.ArrowException, OSError) as err:
-            log.warning("run %s: no steps plot (%s)", run, str(err).splitlines()[0])
+            log.warning("run %s: no steps plot (%s)", run, first_line(err))
     return steps
 
 
@@ -304,6 +319,7 @@ def plot(sweep: pa.Table, swept: list[str], steps: dict[str, pa.Table], out: Pat
 
     def throughput(ax):
         against_block_size(ax, [("output_tok_per_s", "", "-")], "output tokens / s", "Throughput")
+        ax.set_ylim(bottom=0)
 
     def utilization(ax):
         against_block_size(ax, [("mean_paged_kv_utilization_pct", "paged mean", "-"),
@@ -321,7 +337,8 @@ def plot(sweep: pa.Table, swept: list[str], steps: dict[str, pa.Table], out: Pat
         runs = [r for r in rows if r["run"] in steps]
         for n, row in enumerate(runs):
             table = steps[row["run"]]
-            label = label_of(row, (["cache.block_size"] if "cache.block_size" in swept else []) + others) or row["run"]
+            label = label_of(row, (["cache.block_size"] if "cache.block_size" in swept else []) + others) \
+                or f"block_size={row['block_size']}"
             ax.plot(table["step"].to_pylist(), table["paged_kv_utilization_pct"].to_pylist(), linewidth=1,
                     color=colors(0.85 * n / max(len(runs) - 1, 1)), label=label)
         ax.set_xlabel("engine step")
@@ -361,7 +378,7 @@ def analyze(root: Path, out: Path, cfg=None, plots: bool = True) -> tuple[pa.Tab
     good, table, clashing = combine(good) if good else ([], None, [])
     skipped = sorted(skipped + unusable + clashing)
     for run, reason in skipped:
-        log.warning("skipped %s: %s", run.relative_to(root).as_posix() or ".", reason)
+        log.warning("skipped %s: %s", run.relative_to(root).as_posix(), reason)
     if not good:
         raise JobError(f"job.root: no usable summary.parquet below {root} ({len(skipped)} runs skipped)")
     swept = swept_keys([c for _, c, _ in good], [p.parent for p, _, _ in good])
@@ -370,8 +387,13 @@ def analyze(root: Path, out: Path, cfg=None, plots: bool = True) -> tuple[pa.Tab
     write_atomic(sweep, out / "sweep.parquet", cfg)
     print(format_table(sweep, swept))
     if skipped:
-        print(f"skipped {len(skipped)}: " + "; ".join(f"{r.relative_to(root).as_posix() or '.'} ({why})" for r, why in skipped))
-    written = plot(sweep, swept, read_steps(root, sweep), out) if plots else []
+        print(f"skipped {len(skipped)}: " + "; ".join(f"{r.relative_to(root).as_posix()} ({why})" for r, why in skipped))
+    written = []
+    if plots:
+        try:
+            written = plot(sweep, swept, read_steps(root, sweep), out)
+        except ImportError as err:  # sweep.parquet is written; the plots need matplotlib
+            log.warning("no plots: %s (pip install matplotlib)", err)
     log.info("%d runs (swept: %s), %d skipped; wrote %s%s", sweep.num_rows, ", ".join(swept) or "nothing",
              len(skipped), out / "sweep.parquet", "".join(f", {p.name}" for p in written))
     return sweep, skipped

@@ -54,6 +54,11 @@ def _is_text(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
+def _decoded(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Dictionary-encoded columns (pandas categories) as plain values."""
+    return column.cast(column.type.value_type) if pa.types.is_dictionary(column.type) else column
+
+
 def read_prompts(job) -> pa.Table:
     """The input table with columns id, prompt and any per-row sampling columns; JobError if unusable."""
     path = Path(job.input) if job.input else SAMPLE_INPUT
@@ -66,7 +71,7 @@ def read_prompts(job) -> pa.Table:
     columns = table.column_names
     if job.prompt_column not in columns:
         raise JobError(f"job.prompt_column: column {job.prompt_column!r} not in {path}; columns: {columns}")
-    prompts = table[job.prompt_column]
+    prompts = _decoded(table[job.prompt_column])
     if not (_is_text(prompts.type) or pa.types.is_null(prompts.type)):
         raise JobError(f"job.prompt_column: column {job.prompt_column!r} in {path} holds {prompts.type}, not strings")
     prompts = prompts.cast(pa.string())
@@ -78,7 +83,7 @@ def read_prompts(job) -> pa.Table:
         log.info("no column %r in %s: the ids are row numbers", DEFAULT_ID_COLUMN, path)
         ids = pa.chunked_array([pa.array(range(table.num_rows), pa.int64())])
     else:
-        ids = table[id_column]
+        ids = _decoded(table[id_column])
         if not (pa.types.is_integer(ids.type) or _is_text(ids.type)):
             raise JobError(f"job.id_column: column {id_column!r} in {path} holds {ids.type}; ids must be integers or strings")
         if _is_text(ids.type):
@@ -204,9 +209,15 @@ def run(cfg) -> None:
             elif resumed:
                 log.info("resuming: %d of %d rows already written in %s; computing the other %d",
                          resumed, table.num_rows, writer.parts_dir, len(rows))
-            engine = None
             if rows:
                 engine, counts = generate(cfg, rows, writer)
+                writer.flush()  # every row saved before the stats: a kill from here on loses no work
+                summary = run_summary(engine, cfg, counts["num_requests"], counts["num_errors"],
+                                      counts["prompt_tokens"], counts["output_tokens"])
+                summary["resumed_rows"] = resumed
+                write_run_stats(engine, cfg, directory, summary)
+            else:
+                log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")
             writer.finalize(table["id"])
     except KeyboardInterrupt as err:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the save short
@@ -224,11 +235,4 @@ def run(cfg) -> None:
     except BaseException:
         _save(writer)
         raise
-    if engine is None:
-        log.info("nothing left to compute: wrote %s (steps.parquet and summary.parquet left as they were)",
-                 writer.final_path)
-        return
-    summary = run_summary(engine, cfg, counts["num_requests"], counts["num_errors"], counts["prompt_tokens"],
-                          counts["output_tokens"])
-    summary["resumed_rows"] = resumed
-    write_run_stats(engine, cfg, directory, summary)
+    log.info("wrote %s: %d rows", writer.final_path, table.num_rows)

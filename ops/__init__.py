@@ -23,9 +23,8 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=Non
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, backend=None, *,
                            max_seq_len=None):
-    """max_seq_len (optional, keyword): a CPU-side upper bound of seq_lens, constant across replays
-    of a captured CUDA graph; the Triton backend uses it to size its split-KV grid, the reference
-    ignores it."""
+    """max_seq_len (optional, keyword): a CPU-side bound of seq_lens; the Triton backend uses it only
+    to size its split-KV grid (results are right for any value), the reference ignores it."""
     impl = _pick(backend, q)
     if impl is reference:
         return reference.paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale)

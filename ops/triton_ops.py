@@ -493,9 +493,9 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
                            max_seq_len: Optional[int] = None, num_splits: Optional[int] = None):
-    """max_seq_len: optional CPU-side upper bound of seq_lens (caps the split count; must be a true
-    bound, and constant across replays of a captured graph). num_splits: force the number of KV
-    partitions (tests, benchmarks); None picks it from shapes."""
+    """max_seq_len: optional CPU-side bound of seq_lens; it only sizes the split-KV grid (results are
+    right whatever its value, since each split's range is computed in the kernel from seq_len).
+    num_splits: force the number of KV partitions (tests, benchmarks); None picks it from shapes."""
     if _compiling():
         return torch.ops.minipaged.paged_attention_decode(
             q, key_cache, value_cache, block_tables, seq_lens, float(scale), max_seq_len, num_splits)

@@ -27,8 +27,8 @@ def summary_row(block_size: int, **extra) -> dict:
             "peak_paged_kv_utilization_pct": 99.0 - block_size / 8, "mean_paged_kv_utilization_pct": 95.0 - block_size / 4,
             "mean_internal_waste_pct": 5.0 + block_size / 4, "contiguous_kv_utilization_pct": 20.0,
             "contiguous_max_concurrent_seqs": 2, "max_running_seqs": 8, "mean_running_seqs": 6.5,
-            "preemptions": block_size // 16, "peak_block_table_bytes": 2 * num_blocks, "output_tok_per_s": 100.0 * block_size,
-            "wall_time_s": 1.0, **extra}
+            "preemptions": block_size // 16, "peak_block_table_bytes": 2 * num_blocks,
+            "output_tok_per_s": 100.0 * block_size, "wall_time_s": 1.0, **extra}
 
 
 def write_run(directory: Path, block_size: int, **extra) -> None:

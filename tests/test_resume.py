@@ -1,0 +1,197 @@
+"""Crash safety: rows are saved in parts as they finish; a job killed at any moment (SIGKILL included) and
+started again with the same hydra.run.dir computes only the rows not saved yet; SIGINT and SIGTERM save
+what finished and stop; generations.parquet has every id exactly once and is written atomically."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs import JobError
+from jobs.results import ResultWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}  # one thread: the tiny model gains nothing from more
+NUM_ROWS = 120
+
+
+def row(i, text="out"):
+    return {"id": i, "prompt": f"p{i}", "output_text": text, "output_token_ids": [1, 2], "finish_reason": "length",
+            "prompt_tokens": 2, "output_tokens": 2, "error": None}
+
+
+# -- ResultWriter ----------------------------------------------------------------------------------
+def test_parts_are_flushed_in_batches_and_read_back_on_restart(make_config, tmp_path):
+    cfg = make_config()
+    writer = ResultWriter(tmp_path, pa.int64(), 3, cfg)
+    assert not writer.parts_dir.exists()  # nothing written yet: no folder
+    for i in range(7):
+        writer.add(row(i))
+    assert [pq.read_table(p).num_rows for p in writer.parts] == [3, 3] and len(writer.buffer) == 1
+    # killed here: row 6 was never flushed, and a part being written left its temporary file behind
+    tmp = writer.parts_dir / ".part-000002.parquet.tmp"
+    tmp.write_bytes(b"PAR1 half a parquet file")
+    again = ResultWriter(tmp_path, pa.int64(), 3, cfg)
+    assert again.done_ids == again.resumed_ids == set(range(6)) and not tmp.exists()
+    again.add(row(6)), again.add(row(3, "written twice"))
+    table = again.finalize(pa.array([6, 5, 4, 3, 2, 1, 0]))
+    assert table["id"].to_pylist() == [6, 5, 4, 3, 2, 1, 0]  # input order, each id once
+    assert table["output_text"].to_pylist()[3] == "out"  # the first row written wins
+    assert sorted(p.name for p in again.parts_dir.iterdir()) == [f"part-00000{n}.parquet" for n in range(3)]
+    assert pq.read_table(tmp_path / "generations.parquet").equals(table)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_new_part_never_overwrites_an_old_one(make_config, tmp_path):
+    cfg = make_config()
+    writer = ResultWriter(tmp_path, pa.int64(), 1, cfg)
+    writer.add(row(0)), writer.add(row(1))
+    (writer.parts_dir / "part-000000.parquet").unlink()  # a gap in the numbering
+    again = ResultWriter(tmp_path, pa.int64(), 1, cfg)
+    again.add(row(2))
+    assert [p.name for p in again.parts] == ["part-000001.parquet", "part-000002.parquet"]
+
+
+def test_finalize_needs_a_row_for_every_id(make_config, tmp_path):
+    writer = ResultWriter(tmp_path, pa.int64(), 10, make_config())
+    writer.add(row(0))
+    with pytest.raises(JobError, match=r"no result for 1 ids, e.g. \[1\]"):
+        writer.finalize(pa.array([0, 1]))
+    assert not (tmp_path / "generations.parquet").exists()
+
+
+def test_resuming_with_other_settings_is_refused(make_config, tmp_path):
+    writer = ResultWriter(tmp_path, pa.int64(), 1, make_config("sampling.max_tokens=8"))
+    writer.add(row(0))
+    with pytest.raises(JobError, match=r"holds rows generated with other settings \(sampling.max_tokens: 8 -> 9\)"):
+        ResultWriter(tmp_path, pa.int64(), 1, make_config("sampling.max_tokens=9"))
+    with pytest.raises(JobError, match=r"holds ids of type int64, the input's are string"):
+        ResultWriter(tmp_path, pa.string(), 1, make_config("sampling.max_tokens=8"))
+    # the pool and the batching do not change what a row's output is: resuming with a smaller pool is fine
+    ResultWriter(tmp_path, pa.int64(), 1, make_config("sampling.max_tokens=8", "cache.num_blocks=40",
+                                                      "scheduler.max_num_seqs=2", "model.device=cpu"))
+
+
+def test_an_unreadable_part_is_reported(make_config, tmp_path):
+    writer = ResultWriter(tmp_path, pa.int64(), 1, make_config())
+    writer.add(row(0))
+    writer.parts[0].write_bytes(b"not parquet")
+    with pytest.raises(JobError, match=r"cannot read .*part-000000.parquet .*delete it to compute its rows again"):
+        ResultWriter(tmp_path, pa.int64(), 1, make_config())
+
+
+# -- the job, killed and started again -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("in") / "prompts.parquet"
+    pq.write_table(pa.table({"id": [f"r{i:03d}" for i in range(NUM_ROWS)],
+                             "prompt": [f"prompt number {i} " * (1 + i % 4) for i in range(NUM_ROWS)]}), path)
+    return path
+
+
+def job_args(prompts, run_dir, *extra):
+    return [sys.executable, "-m", "engine.run", f"job.input={prompts}", f"hydra.run.dir={run_dir}",
+            "model.device=cpu", "sampling.max_tokens=12", "sampling.ignore_eos=true", "scheduler.max_num_seqs=4",
+            "job.flush_every=8", *extra]
+
+
+def start(prompts, run_dir):
+    return subprocess.Popen(job_args(prompts, run_dir), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_parts(run_dir: Path, count: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list((run_dir / "generations.parts").glob("part-*.parquet"))) < count:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no part appeared"
+        time.sleep(0.01)
+
+
+def saved(run_dir: Path) -> dict:
+    """part file name -> its bytes"""
+    return {p.name: p.read_bytes() for p in sorted((run_dir / "generations.parts").glob("part-*.parquet"))}
+
+
+def saved_ids(parts: dict, run_dir: Path) -> list:
+    return [i for name in parts for i in pq.read_table(run_dir / "generations.parts" / name)["id"].to_pylist()]
+
+
+def finish(prompts, run_dir):
+    result = subprocess.run(job_args(prompts, run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
+def check_complete(run_dir: Path, reference: list[dict] | None = None) -> list[dict]:
+    rows = pq.read_table(run_dir / "generations.parquet").to_pylist()
+    assert [r["id"] for r in rows] == [f"r{i:03d}" for i in range(NUM_ROWS)]  # every id exactly once, in order
+    assert all(r["finish_reason"] == "length" and r["output_tokens"] == 12 for r in rows)
+    if reference is not None:
+        assert rows == reference
+    return rows
+
+
+def test_sigkill_then_resume(prompts, tmp_path):
+    straight = tmp_path / "straight"
+    run_dir = tmp_path / "run"
+    proc = start(prompts, run_dir)
+    wait_for_parts(run_dir, 1, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    before = saved(run_dir)
+    done = saved_ids(before, run_dir)
+    assert 8 <= len(done) < NUM_ROWS and not (run_dir / "generations.parquet").exists()
+    # a kill in the middle of writing a part leaves its temporary file: the next run ignores it
+    (run_dir / "generations.parts" / f".part-{len(before):06d}.parquet.tmp").write_bytes(b"PAR1 torn")
+
+    log = finish(prompts, run_dir)
+    assert f"resuming: {len(done)} of {NUM_ROWS} rows already written" in log
+    after = saved(run_dir)
+    assert all(after[name] == data for name, data in before.items())  # saved parts untouched
+    ids = saved_ids(after, run_dir)
+    assert len(ids) == len(set(ids)) == NUM_ROWS  # the rows saved before were not computed again
+    assert not list((run_dir / "generations.parts").glob(".*.tmp"))
+    summary = pq.read_table(run_dir / "summary.parquet").to_pylist()[0]
+    assert summary["num_requests"] == NUM_ROWS - len(done) and summary["resumed_rows"] == len(done)
+    steps = pq.read_table(run_dir / "steps.parquet")
+    assert sum(steps["finished"].to_pylist()) == NUM_ROWS - len(done)  # this run's steps only
+
+    # the same rows as a run that was never killed (greedy: the output depends on nothing else)
+    assert finish(prompts, straight)
+    check_complete(run_dir, check_complete(straight))
+
+    # nothing left to compute: generations.parquet rewritten the same, the stats of the run that did the work kept
+    stats = {name: (run_dir / name).read_bytes() for name in ("steps.parquet", "summary.parquet")}
+    log = finish(prompts, run_dir)
+    assert "nothing left to compute" in log
+    assert all((run_dir / name).read_bytes() == data for name, data in stats.items())
+    check_complete(run_dir, check_complete(straight))
+
+
+def test_sigint_and_sigterm_save_the_finished_rows_and_stop(prompts, tmp_path):
+    run_dir = tmp_path / "run"
+    parts_seen = 0
+    for sig, code, name in ((signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")):
+        proc = start(prompts, run_dir)
+        wait_for_parts(run_dir, parts_seen + 1, proc)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == code, err
+        assert re.search(rf"error: interrupted by {name}: finished rows are saved in .*; run again with "
+                         rf"hydra.run.dir=.* to resume", err), err
+        assert "Traceback" not in out + err
+        parts = saved(run_dir)
+        ids = saved_ids(parts, run_dir)
+        assert len(ids) == len(set(ids)) < NUM_ROWS and not (run_dir / "generations.parquet").exists()
+        parts_seen = len(parts)
+    log = finish(prompts, run_dir)
+    assert f"resuming: {len(ids)} of {NUM_ROWS} rows already written" in log
+    check_complete(run_dir)
