@@ -8,10 +8,10 @@ import torch
 from engine.block_manager import KVBlockManager, blocks_needed
 from engine.config import ConfigError
 from engine.kv_cache import PagedKVCache, num_blocks_for
-from engine.model_runner import ModelRunner, kv_bytes_left
+from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence
+from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.stats import StatsRecorder, snapshot
 from engine.tokenizer import load_tokenizer
 
@@ -64,6 +64,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
+        self._in_flight: InFlight | None = None
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -85,7 +86,8 @@ class LLMEngine:
         self.check_request(len(prompt_token_ids), sampling)
         if max(prompt_token_ids) >= self.model.arch.vocab_size or min(prompt_token_ids) < 0:
             raise RequestError(f"token ids must be in [0, {self.model.arch.vocab_size})")
-        seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling)
+        max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling, max_num_tokens)
         self.scheduler.add(seq)
         return seq
 
@@ -101,38 +103,59 @@ class LLMEngine:
             raise RequestError(f"needs {need} blocks of {self.block_size} tokens; the pool has {self.num_blocks}")
 
     def step(self) -> list[Sequence]:
-        """Schedule and run one step; returns the sequences that finished in it."""
+        """Schedule and launch one step, then resolve the step before it (whose tokens the device has
+        computed meanwhile); returns the sequences that finished. The host prepares step N + 1 while
+        the device still runs step N."""
         batch = self.scheduler.schedule()
         stats = snapshot(len(self.stats.steps), batch, self.scheduler, self.block_manager, self.max_model_len)
-        tokens = self.runner.execute(batch)
-        finished = [seq for seq, n, token in zip(batch.seqs, batch.num_new_tokens, tokens) if self._advance(seq, n, token)]
+        launched = self.runner.launch(batch, self._in_flight) if batch.seqs else None
+        self._account(batch)
+        finished = self._resolve(self._in_flight) if self._in_flight else []
+        self._in_flight = launched
         stats.finished, stats.step_time_s = len(finished), self.stats.lap()
         self.stats.add(stats)
         if self.cfg.cache.check_invariants and not self.block_manager.invariants_ok():
             raise AssertionError(f"block manager invariants broken after step {stats.step}")
         return finished
 
-    def _advance(self, seq: Sequence, num_new_tokens: int, token: int) -> bool:
-        """Account for a computed chunk; append the sampled token when the chunk ends the prefill.
-        Returns whether the sequence finished."""
-        seq.num_computed_tokens += num_new_tokens
-        if seq.num_computed_tokens < seq.num_tokens:
-            return False
-        seq.output_token_ids.append(token)
-        reason = self._finish_reason(seq, token)
-        if reason:
-            self.scheduler.finish(seq, reason)
-        return reason is not None
+    @staticmethod
+    def _account(batch) -> None:
+        """Count the launched chunks as computed; a chunk that ends its sequence's prefill drew a token,
+        which stays a placeholder until resolved."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(PLACEHOLDER)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _resolve(self, step: InFlight) -> list[Sequence]:
+        """Fill in the tokens of a finished step and retire the sequences they end."""
+        finished = []
+        for seq, index, token in zip(step.seqs, step.output_index, self.runner.tokens(step)):
+            if seq.status is Status.FINISHED:
+                continue  # stopped by the token before: this one was drawn past the end
+            seq.output_token_ids[index] = token
+            reason = self._finish_reason(seq, token, index)
+            if reason:
+                del seq.output_token_ids[index + 1:]  # a token drawn after the stop, still in flight
+                self.scheduler.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
         p = seq.sampling
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.prompt_token_ids) + index + 1 >= seq.max_num_tokens:
             return "length"
         return None
 
+    def close(self) -> None:
+        """Free the KV cache and the CUDA graphs; the engine cannot step afterwards."""
+        self.runner = self.kv_cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def run(self) -> Iterator[Sequence]:
         """Step until every queued request has finished, yielding each as it finishes."""
-        while self.scheduler.has_work():
+        while self.scheduler.has_work() or self._in_flight:
             yield from self.step()

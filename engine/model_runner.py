@@ -5,6 +5,8 @@ on CUDA and copied without blocking; every layer reads the same AttentionMetadat
 steps replay CUDA graphs (engine/cuda_graphs.py); prefill steps, and decode batches above the largest
 graph, run eagerly. Only the last position of each sequence gets logits.
 """
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -14,6 +16,7 @@ from engine.kv_cache import PagedKVCache
 from engine.models.qwen3 import AttentionMetadata, Qwen3ForCausalLM
 from engine.sampler import SamplingTensors, sample
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 
 
 class ModelRunner:
@@ -58,16 +61,61 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Run the batch; returns one sampled token per sequence (meaningful where its chunk ends its prefill)."""
+    def launch(self, batch: ScheduledBatch, previous: "InFlight | None") -> "InFlight":
+        """Enqueue the batch's forward and sampling without waiting for the device. Tokens that are
+        still placeholders on the host come from the previous step's device output."""
         input_ids, positions, meta, last_rows = self.prepare(batch)
+        if previous is not None:
+            self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[last_rows])
         params = SamplingTensors.build(
             [s.sampling for s in batch.seqs], [len(s.output_token_ids) for s in batch.seqs],
             self.model.arch.vocab_size, self.device,
         )
-        return sample(logits, params).tolist()
+        tokens = sample(logits, params)
+        drew = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == s.num_tokens]
+        return InFlight.start(tokens, [batch.seqs[i] for i in drew], drew)
+
+    def _fill_placeholders(self, batch: ScheduledBatch, input_ids: torch.Tensor, previous: "InFlight") -> None:
+        ends = np.cumsum(batch.num_new_tokens) - 1
+        pairs = [(ends[i], previous.rows[s.seq_id]) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                 if s.has_placeholder and s.num_computed_tokens + n == s.num_tokens]
+        if pairs:
+            dst, src = (self._to_device(np.array(col, dtype=np.int64)) for col in zip(*pairs))
+            input_ids[dst] = previous.device_tokens[src]
+
+    @staticmethod
+    def tokens(step: "InFlight") -> list[int]:
+        """The step's sampled tokens on the host (waits for the device)."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        return step.host_tokens[step.rows_drawn].tolist()
+
+
+@dataclass
+class InFlight:
+    """A launched step: the sequences that drew a token in it, and where those tokens are."""
+
+    seqs: list[Sequence]
+    output_index: list[int]  # where each sequence's token goes in its output_token_ids
+    rows: dict[int, int]  # seq_id -> row of device_tokens
+    rows_drawn: list[int]
+    device_tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    copied: "torch.cuda.Event | None"
+
+    @classmethod
+    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], rows_drawn: list[int]) -> "InFlight":
+        copied = None
+        host_tokens = device_tokens
+        if device_tokens.is_cuda:
+            host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
+            host_tokens.copy_(device_tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(seqs, [len(s.output_token_ids) for s in seqs], {s.seq_id: r for s, r in zip(seqs, rows_drawn)},
+                   rows_drawn, device_tokens, host_tokens, copied)
 
 
 @torch.inference_mode()

@@ -28,13 +28,15 @@ class SamplingTensors:
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int], vocab_size: int, device) -> "SamplingTensors":
+        """One host-to-device copy, which never waits for the device (every value fits float64 exactly)."""
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        table = torch.tensor([[p.temperature for p in params], top_k, [p.top_p for p in params],
+                              [p.seed & _MASK32 for p in params], steps], dtype=torch.float64)
+        if torch.device(device).type == "cuda":
+            table = table.pin_memory().to(device, non_blocking=True)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            seed=torch.tensor([p.seed & _MASK32 for p in params], dtype=torch.int64, device=device),
-            step=torch.tensor(steps, dtype=torch.int64, device=device),
+            temperature=table[0].float(), top_k=table[1].long(), top_p=table[2].float(),
+            seed=table[3].long(), step=table[4].long(),
             all_greedy=all(p.temperature == 0 for p in params),
             any_truncation=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
         )

@@ -46,16 +46,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """The next step's batch; empty only when nothing is left to run."""
+        """The next step's batch; empty when nothing can run until in-flight tokens are resolved."""
         preemptions_before = self.num_preemptions
         while True:
             batch = self._schedule_prefill()
             if not batch.seqs:
                 batch = self._schedule_decode()
-            if batch.seqs or not self.running:
+            stalled = [s for s in self.running if s.num_uncomputed_tokens > 1]
+            if batch.seqs or not stalled:
                 batch.num_preempted = self.num_preemptions - preemptions_before
                 return batch
-            self._preempt(self.running[-1])  # only stalled prefill chunks are left: free the newest
+            self._preempt(self._victim())  # only stalled prefill chunks are left: free the newest
+
+    def _victim(self) -> Sequence:
+        """The newest running sequence that still draws tokens (a capped one frees its blocks when its
+        last token is resolved)."""
+        return next(s for s in reversed(self.running) if not s.is_capped)
 
     def _schedule_prefill(self) -> ScheduledBatch:
         seqs, counts, slots, budget = [], [], [], self.max_num_batched_tokens
@@ -80,11 +86,11 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch:
         manager, scheduled, slots = self.block_manager, [], []
-        pending = deque(s for s in self.running if s.num_uncomputed_tokens == 1)
+        pending = deque(s for s in self.running if s.num_uncomputed_tokens == 1 and not s.is_capped)
         while pending:
             seq = pending.popleft()
             while not manager.can_append(seq.seq_id, 1):
-                victim = self.running[-1]  # newest first; never one already scheduled
+                victim = self._victim()  # newest first; never one already scheduled
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -104,9 +110,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence, running or (preempted) waiting, and free its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.release_sequence(seq.seq_id)
+        else:
+            self.waiting.remove(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
-        self.running.remove(seq)
-        self.block_manager.release_sequence(seq.seq_id)
 
 
 def _concat(slots: list[np.ndarray]) -> np.ndarray:

@@ -3,9 +3,16 @@
 The block-level state of a live sequence (its length in stored tokens and its block table) is the
 block manager's SequenceState; a Sequence here tracks tokens: the prompt, the outputs so far and how
 many of them already have K/V in the cache (num_computed_tokens).
+
+The engine runs one step ahead of the host: a sampled token is known on the device before the host
+reads it, so the newest output may be PLACEHOLDER until the step that drew it is resolved. At most the
+last output is a placeholder.
 """
 from dataclasses import dataclass, field
 from enum import Enum
+
+
+PLACEHOLDER = -1
 
 
 class Status(Enum):
@@ -31,6 +38,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    max_num_tokens: int  # prompt + outputs at most: min(prompt + max_tokens, max_model_len)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: Status = Status.WAITING
@@ -44,6 +52,15 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_capped(self) -> bool:
+        """No more tokens to draw (max_tokens or max_model_len reached, counting one in flight)."""
+        return self.num_tokens >= self.max_num_tokens
+
+    @property
+    def has_placeholder(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
 
     @property
     def last_token(self) -> int:

@@ -16,6 +16,7 @@ import torch
 
 from engine.engine import LLMEngine
 from engine.models.loader import to_hf_model
+from jobs import JobError
 from jobs.common import drive, run_dir, run_summary, write_run_stats
 from jobs.generate import default_sampling
 
@@ -65,6 +66,10 @@ def match_share(ours: list[list[int]], theirs: list[list[int]], prefix: int = 32
 
 
 def run(cfg) -> None:
+    longest = 1024 if cfg.job.workload == "nano" else cfg.job.input_len[1]
+    if longest >= cfg.model.max_model_len:
+        raise JobError(f"job.input_len: prompts of up to {longest} tokens need model.max_model_len > {longest}, "
+                       f"it is {cfg.model.max_model_len}")
     engine = LLMEngine(cfg)
     requests = workload(cfg.job, default_sampling(cfg), engine.model.arch.vocab_size)
     seqs = [engine.add_request(str(i), p, s) for i, (p, s) in enumerate(requests)]
@@ -72,6 +77,7 @@ def run(cfg) -> None:
     summary = run_summary(engine, cfg, len(seqs), 0, sum(len(p) for p, _ in requests), output_tokens)
     summary["workload"] = cfg.job.workload
     if cfg.job.baseline == "hf":
+        engine.close()  # transformers needs the memory of our KV cache
         hf_rate, hf_outputs = hf_generate(engine, requests, cfg.job.hf_batch_size)
         summary.update(hf_output_tok_per_s=hf_rate, speedup_vs_hf=summary["output_tok_per_s"] / hf_rate)
         if all(s.temperature == 0 for _, s in requests):

@@ -81,7 +81,7 @@ def test_a_prompt_column_that_is_not_text(tmp_path):
 # -- job level: settings ---------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (["cache.block_size=0"], r"cache.block_size must be >= 1, got 0"),
-    (["cache.num_blocks=3"], r"a pool of 3 blocks of 16 tokens .* cannot hold one sequence of model.max_model_len 512"),
+    (["cache.num_blocks=3", "model.max_model_len=512"], r"a pool of 3 blocks of 16 tokens .* cannot hold one sequence of model.max_model_len 512"),
     (["+cache.blok_size=3"], r"unknown config key 'cache.blok_size'; cache keys: \['block_size'"),
     (["+job.inptu=x"], r"unknown config key 'job.inptu'"),
     (["model.dtype=bf16"], r"model.dtype must be one of"),
@@ -97,7 +97,7 @@ def test_a_pool_sized_from_memory_must_hold_one_sequence(make_config, tmp_path):
     from jobs.generate import generate
     from jobs.results import ResultWriter
 
-    cfg = make_config("model.device=cpu", "cache.kv_budget_gb=0.0001")  # 12 blocks of 16 < 512 tokens
+    cfg = make_config("model.device=cpu", "model.max_model_len=512", "cache.kv_budget_gb=0.0001")  # 12 blocks of 16
     validate(cfg)
     writer = ResultWriter(tmp_path, pa.int64(), 10, cfg)
     with pytest.raises(ConfigError, match=r"a pool of 12 blocks .* cannot hold one sequence"):
@@ -181,7 +181,7 @@ def test_bad_rows_become_error_rows_and_the_others_complete(tmp_path):
     write(tmp_path / "in.parquet", id=ids, prompt=prompts, max_tokens=max_tokens, temperature=temperature)
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "engine.run", f"job.input={tmp_path / 'in.parquet'}",
-                             f"hydra.run.dir={out}", "model.device=cpu", "sampling.max_tokens=3",
+                             f"hydra.run.dir={out}", "model.device=cpu", "model.max_model_len=512", "sampling.max_tokens=3",
                              "sampling.ignore_eos=true"], cwd=ROOT, env=ENV, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr

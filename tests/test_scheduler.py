@@ -5,7 +5,7 @@ from engine.sequence import SamplingParams, Sequence
 
 
 def make_seq(seq_id, prompt_len):
-    return Sequence(seq_id, str(seq_id), list(range(prompt_len)), SamplingParams())
+    return Sequence(seq_id, str(seq_id), list(range(prompt_len)), SamplingParams(), max_num_tokens=prompt_len + 16)
 
 
 def test_admission_stops_at_the_block_budget():
@@ -75,3 +75,23 @@ def test_preemption_frees_the_newest_and_recomputes(make_config):
     assert seqs[-1].num_preemptions > 0 and seqs[0].num_preemptions == 0
     # the same prompt and greedy sampling: preempted or not, every sequence produces the same tokens
     assert seqs[0].output_token_ids == seqs[1].output_token_ids == seqs[2].output_token_ids
+
+
+def test_stop_token_ends_the_output_even_with_a_step_in_flight(make_config):
+    """The host resolves a step's tokens one step late: a sequence that stops must lose the token
+    drawn after its stop and free its blocks."""
+    config = make_config("cache.block_size=4", "model.device=cpu", "cache.check_invariants=true")
+    prompts = [[5, 9, 13], [7, 3, 1, 8, 2], [4] * 9]
+    free_run = LLMEngine(config)
+    reference = [free_run.add_request(str(i), p, SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(prompts)]
+    list(free_run.run())
+    stop = reference[0].output_token_ids[4]
+    engine = LLMEngine(config)
+    seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop,)))
+            for i, p in enumerate(prompts)]
+    list(engine.run())
+    for seq, ref in zip(seqs, reference):
+        cut = ref.output_token_ids.index(stop) + 1 if stop in ref.output_token_ids else len(ref.output_token_ids)
+        assert seq.output_token_ids == ref.output_token_ids[:cut]
+        assert seq.finish_reason == ("stop" if stop in ref.output_token_ids else "length")
+    assert engine.block_manager.num_free_blocks == engine.num_blocks

@@ -1,0 +1,67 @@
+"""Readable PyTorch versions of the fused elementwise ops (Triton versions: ops/fused.py).
+
+They reproduce the unfused code of engine/models/qwen3.py and engine/sampler.py operation for
+operation (same rounding steps), so the torch backend gives bit-identical results to it:
+
+    rms_norm(x[T,H], weight[H], eps) -> [T,H]
+        weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)   (Hugging Face order)
+    fused_add_rms_norm(x[T,H], residual[T,H], weight[H], eps) -> (rms_norm(x + residual), x + residual)
+    qk_norm_rope(q[T,Hq,D], k[T,Hkv,D], q_weight[D], k_weight[D], eps, cos[P,D], sin[P,D], positions[T])
+        -> (q', k'): per-head rms_norm over D, then x*cos + rotate_half(x)*sin with the float32
+        tables cast to the model dtype first; rotate_half(x) = cat(-x2, x1)
+    silu_and_mul(x[T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:]
+    gumbel_sample(logits[B,V] float32, temperature[B] float32 > 0, seed[B] int64, step[B] int64)
+        -> int64 [B] = argmax_v logits[b,v] / temperature[b] - log(-log(U(seed[b], step[b], v))),
+        first index on ties; U is engine/sampler.uniform_noise (seed, step in [0, 2^32)).
+"""
+import torch
+import torch.nn.functional as F
+
+_MASK32 = 0xFFFFFFFF
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions):
+    q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    cos, sin = cos[positions, None, :].to(q.dtype), sin[positions, None, :].to(q.dtype)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def silu_and_mul(x):
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def mix32(x):
+    """engine/sampler._mix32: a 32-bit integer hash in int64 arithmetic that cannot overflow."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed, step, token_ids):
+    """engine/sampler.uniform_noise: uniform (0, 1) values [B, V] from (seed[b], step[b], token_ids[b, v])."""
+    key = mix32(mix32(seed) ^ step)
+    bits = mix32(key[:, None] ^ token_ids) >> 8  # 24 bits: exact in float32
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+def gumbel_sample(logits, temperature, seed, step):
+    token_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    scores = logits / temperature[:, None] - (-uniform_noise(seed, step, token_ids).log()).log()
+    return scores.argmax(dim=-1)
