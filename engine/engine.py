@@ -113,7 +113,11 @@ class LLMEngine:
         finished = self._resolve(self._in_flight) if self._in_flight else []
         self._in_flight = launched
         stats.finished, stats.step_time_s = len(finished), self.stats.lap()
-        self.stats.add(stats)
+        if batch.seqs:
+            self.stats.add(stats)
+        elif self.stats.steps:  # only resolved the step before: its time and finishes belong to that one
+            self.stats.steps[-1].step_time_s += stats.step_time_s
+            self.stats.steps[-1].finished += stats.finished
         if self.cfg.cache.check_invariants and not self.block_manager.invariants_ok():
             raise AssertionError(f"block manager invariants broken after step {stats.step}")
         return finished

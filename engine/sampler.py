@@ -4,13 +4,14 @@ Randomness comes from a counter-based hash of (request seed, output index, token
 generator's state, so a request's tokens depend only on its own seed and logits: the same seed gives
 the same output whatever else is in the batch, and after a preemption the recomputed step draws the
 same noise again. Sampling is Gumbel-max: argmax(logits / T + G) with G = -log(-log U) picks token i
-with probability softmax(logits / T)_i, in one elementwise pass (compiled into one kernel on CUDA).
+with probability softmax(logits / T)_i. Without top-k/top-p it is one pass over the logits
+(ops.gumbel_sample: a Triton kernel on CUDA that computes the same noise; gumbel_scores().argmax on CPU).
 """
-import functools
 from dataclasses import dataclass
 
 import torch
 
+import ops
 from engine.sequence import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -71,16 +72,6 @@ def gumbel_scores(logits: torch.Tensor, temperature: torch.Tensor, seed, step, t
     return logits / temperature[:, None] - (-uniform_noise(seed, step, token_ids).log()).log()
 
 
-@functools.cache
-def _compiled_gumbel_scores():
-    return torch.compile(gumbel_scores, dynamic=True)
-
-
-def _fused_gumbel_scores(logits, *args):
-    """gumbel_scores as one kernel on CUDA (the unfused version makes ~10 passes over [B, vocab])."""
-    return (_compiled_gumbel_scores() if logits.is_cuda else gumbel_scores)(logits, *args)
-
-
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Token ids [B] from float32 logits [B, V]."""
     greedy = logits.argmax(dim=-1)
@@ -92,6 +83,5 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         scores = gumbel_scores(kept, torch.ones_like(temperature), t.seed, t.step, token_ids)
         drawn = token_ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
     else:
-        token_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        drawn = _fused_gumbel_scores(logits, temperature, t.seed, t.step, token_ids).argmax(dim=-1)
+        drawn = ops.gumbel_sample(logits, temperature, t.seed, t.step)  # = gumbel_scores(...).argmax(-1)
     return torch.where(t.temperature == 0, greedy, drawn)

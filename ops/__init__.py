@@ -42,3 +42,47 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
         return reference.paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
     return impl.paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                         max_seqlen_q=max_seqlen_q)
+
+
+# --------------------------------------------------------------------------------------------
+# fused elementwise ops of the decode step (Triton: ops/fused.py, references: ops/fused_reference.py)
+# --------------------------------------------------------------------------------------------
+def _pick_fused(backend, tensor):
+    if backend is None:
+        backend = "triton" if tensor.is_cuda else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+    if backend == "torch":
+        from ops import fused_reference
+
+        return fused_reference
+    from ops import fused  # imported lazily: triton is optional on CPU
+
+    return fused
+
+
+def rms_norm(x, weight, eps, backend=None):
+    """x [T, H], weight [H] -> weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)."""
+    return _pick_fused(backend, x).rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x, residual, weight, eps, backend=None):
+    """-> (rms_norm(x + residual), x + residual); the sum is rounded to the model dtype first."""
+    return _pick_fused(backend, x).fused_add_rms_norm(x, residual, weight, eps)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions, backend=None):
+    """q [T, Hq, D], k [T, Hkv, D]: per-head RMSNorm over D, then RoPE with the float32 tables
+    cos/sin [max_pos, D] at positions [T] -> (q', k') (new contiguous tensors)."""
+    return _pick_fused(backend, q).qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions)
+
+
+def silu_and_mul(x, backend=None):
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
+    return _pick_fused(backend, x).silu_and_mul(x)
+
+
+def gumbel_sample(logits, temperature, seed, step, backend=None):
+    """One Gumbel-max draw per row: argmax_v logits[b, v] / temperature[b] + G(seed[b], step[b], v)
+    with engine/sampler's counter-based noise; logits float32 [B, V], temperature > 0 -> int64 [B]."""
+    return _pick_fused(backend, logits).gumbel_sample(logits, temperature, seed, step)

@@ -70,6 +70,7 @@ def _rms_norm_kernel(
 
 def _rms_norm_launch(x, residual, weight, eps):
     T, H = x.shape
+    weight = weight.contiguous()
     out = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if residual is None:
         res_in, res_out = x, out  # unused (HAS_RES=False)
@@ -104,13 +105,12 @@ def _norm_rope_heads(
     h0, n_heads, eps,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    HALF: tl.constexpr = HEAD_DIM // 2
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     d_mask = d < HEAD_DIM
     mask = (h < n_heads) & d_mask
-    first = d < HALF
-    pd = tl.where(first, d + HALF, d - HALF)  # rotary partner of d
+    first = d < HEAD_DIM // 2
+    pd = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # rotary partner of d
     dt = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + h * s_xh + d * s_xd, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + h * s_xh + pd * s_xd, mask=mask, other=0.0).to(tl.float32)
@@ -155,6 +155,7 @@ def _qk_norm_rope_kernel(
 def _qk_norm_rope_impl(q, k, q_weight, k_weight, eps, cos, sin, positions):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     assert D % 2 == 0 and k.shape[2] == D and cos.shape[1] == D and sin.stride() == cos.stride()
     q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format)
@@ -312,6 +313,7 @@ def gumbel_num_splits(batch, vocab, device, block_v):
 
 def _gumbel_sample_impl(logits, temperature, seed, step, num_splits=None):
     B, V = logits.shape
+    temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from engine.config import ConfigError, validate
-from engine.engine import LLMEngine, resolve_device
+from engine.engine import LLMEngine, RequestError, resolve_device
 from jobs import JobError
-from jobs.generate import read_prompts, row_sampling, default_sampling
-from engine.engine import RequestError
+from jobs.generate import default_sampling, read_prompts, row_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}  # one thread: the tiny model gains nothing from more

@@ -48,6 +48,15 @@ def test_parts_are_flushed_in_batches_and_read_back_on_restart(make_config, tmp_
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_slow_rows_are_flushed_after_flush_interval_s(make_config, tmp_path):
+    writer = ResultWriter(tmp_path, pa.int64(), 1000, make_config(), flush_interval_s=0.05)
+    writer.add(row(0))
+    assert not writer.parts
+    time.sleep(0.06)
+    writer.add(row(1))  # the oldest unsaved row is older than flush_interval_s: both are saved
+    assert len(writer.parts) == 1 and not writer.buffer
+
+
 def test_a_new_part_never_overwrites_an_old_one(make_config, tmp_path):
     cfg = make_config()
     writer = ResultWriter(tmp_path, pa.int64(), 1, cfg)

@@ -85,34 +85,37 @@ def run_engine(make_config, requests, *overrides):
 
 
 def test_utilization_recomputed_by_hand_on_a_tiny_trace(make_config):
-    # Two requests, block size 4: A (prompt 5, 3 tokens) and B (prompt 3, 2 tokens).
+    # Two requests, block size 4: A (prompt 5, 3 tokens) and B (prompt 3, 2 tokens). The host learns a
+    # step's tokens one step late, so B, whose last token is drawn in step 1, holds its block in step 2.
     #   step 0, prefill of both: lengths 5, 3 -> blocks 2 + 1 = 12 slots, 8 stored, waste 3 + 1
-    #   step 1, decode:          lengths 6, 4 -> 12 slots, 10 stored, waste 2 + 0; B finishes
-    #   step 2, decode:          length 7     -> 8 slots, 7 stored, waste 1; A finishes
+    #   step 1, decode:          lengths 6, 4 -> 12 slots, 10 stored, waste 2 + 0
+    #   step 2, decode of A:     lengths 7, 4 -> 12 slots, 11 stored, waste 1 + 0; B finishes
+    #   (then A's last token is resolved with no step of its own)
     engine, cfg, output_tokens = run_engine(make_config, [(5, 3), (3, 2)])
     rows = engine.stats.table().to_pylist()
     assert [r["phase"] for r in rows] == ["prefill", "decode", "decode"]
-    assert [r["stored_tokens"] for r in rows] == [8, 10, 7]
-    assert [r["allocated_slots"] for r in rows] == [12, 12, 8]
+    assert [r["seqs"] for r in rows] == [2, 2, 1]
+    assert [r["stored_tokens"] for r in rows] == [8, 10, 11]
+    assert [r["allocated_slots"] for r in rows] == [12, 12, 12]
     assert [r["internal_waste_tokens"] for r in rows] == [4, 2, 1]
-    assert [r["running_seqs"] for r in rows] == [2, 2, 1]
-    util = [100 * 8 / 12, 100 * 10 / 12, 100 * 7 / 8]
-    waste = [100 * 4 / 12, 100 * 2 / 12, 100 * 1 / 8]
-    contiguous = [100 * 8 / 128, 100 * 10 / 128, 100 * 7 / 64]  # max_model_len 64 reserved per live sequence
+    assert [r["running_seqs"] for r in rows] == [2, 2, 2]
+    util = [100 * 8 / 12, 100 * 10 / 12, 100 * 11 / 12]
+    waste = [100 * 4 / 12, 100 * 2 / 12, 100 * 1 / 12]
+    contiguous = [100 * 8 / 128, 100 * 10 / 128, 100 * 11 / 128]  # max_model_len 64 reserved per live sequence
     assert [r["paged_kv_utilization_pct"] for r in rows] == pytest.approx(util)
     assert [r["internal_waste_pct"] for r in rows] == pytest.approx(waste)
     assert [r["contiguous_kv_utilization_pct"] for r in rows] == pytest.approx(contiguous)
-    assert [r["block_table_bytes"] for r in rows] == [12, 12, 8]
+    assert [r["block_table_bytes"] for r in rows] == [12, 12, 12]
 
     summary = run_summary(engine, cfg, 2, 0, 8, output_tokens)
     assert output_tokens == 5
     assert summary["mean_paged_kv_utilization_pct"] == pytest.approx(sum(util) / 3)
-    assert summary["peak_paged_kv_utilization_pct"] == pytest.approx(87.5)
+    assert summary["peak_paged_kv_utilization_pct"] == pytest.approx(100 * 11 / 12)
     assert summary["mean_internal_waste_pct"] == pytest.approx(sum(waste) / 3)
     assert summary["contiguous_kv_utilization_pct"] == pytest.approx(sum(contiguous) / 3)
-    assert summary["peak_contiguous_kv_utilization_pct"] == pytest.approx(100 * 7 / 64)
+    assert summary["peak_contiguous_kv_utilization_pct"] == pytest.approx(100 * 11 / 128)
     assert summary["peak_blocks_used"] == 3 and summary["peak_block_table_bytes"] == 12
-    assert summary["max_running_seqs"] == 2 and summary["mean_running_seqs"] == pytest.approx(5 / 3)
+    assert summary["max_running_seqs"] == 2 and summary["mean_running_seqs"] == pytest.approx(2)
     assert summary["preemptions"] == 0 and summary["num_steps"] == 3
     assert summary["contiguous_max_concurrent_seqs"] == 32 * 4 // 64
 

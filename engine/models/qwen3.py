@@ -47,10 +47,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), one kernel (ops.rms_norm).
+        With residual: (norm(x + residual), x + residual), the sum in the model dtype."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -87,9 +89,11 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, positions, rotary, key_cache, value_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        q, k = rotary(positions, q, k)
+        # q_norm / k_norm, then RoPE, in one kernel (the same rounding steps as the modules)
+        q, k = ops.qk_norm_rope(
+            q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rotary.cos, rotary.sin, positions,
+        )
         ops.write_kv_cache(k, v.reshape(-1, self.num_kv_heads, self.head_dim), key_cache, value_cache, meta.slot_mapping)
         if meta.is_prefill:
             out = ops.paged_attention_prefill(
@@ -108,8 +112,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -120,9 +123,16 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, key_cache, value_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, key_cache, value_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, key_cache, value_cache, meta):
+        """(x, residual) -> (mlp_out, residual): the residual stream is x + residual (None in the first
+        layer), added in the next norm's kernel; the caller adds the last mlp_out in the final norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, key_cache, value_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Qwen3Model(nn.Module):
@@ -134,10 +144,10 @@ class Qwen3Model(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, max_positions)
 
     def forward(self, input_ids, positions, kv_cache, meta):
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
-            x = layer(x, positions, self.rotary, key_cache, value_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, key_cache, value_cache, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -1,0 +1,305 @@
+"""Tests of the fused elementwise ops (ops/fused.py, ops/fused_reference.py), both backends.
+
+Each op is checked against an independent float64 oracle (tolerances on ||out - ref|| / ||ref||:
+float32 1e-5, float16 3e-3, bfloat16 2e-2) and against the unfused torch code it replaces (the
+torch backend must reproduce it bit for bit). On CPU the Triton kernels run under the interpreter
+(TRITON_INTERPRET=1, set by conftest.py and, as a fallback, below) in float32 and float16 (the
+interpreter rounds to bfloat16 wrongly); on CUDA bfloat16 runs too.
+Inputs are fresh random draws on every run (the seed is in each failure message). Inputs are
+views of wider buffers whose extra columns hold NaN (+inf for logits), so an out-of-bounds read
+shows; the Triton outputs are allocated filled with NaN (-1 for ids), so an unwritten element shows.
+"""
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import ops  # noqa: E402
+from engine import sampler  # noqa: E402
+from engine.models.qwen3 import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+BACKENDS = ["triton", "torch"]
+EPS = 1e-6
+NAN = float("nan")
+
+
+@pytest.fixture
+def gen():
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+class _PoisonedTorch:
+    """torch, except that empty / empty_like return NaN-filled (integers: -1) tensors."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _poison(t):
+        return t.fill_(NAN if t.is_floating_point() else -1)
+
+    def empty(self, *args, **kwargs):
+        return self._poison(torch.empty(*args, **kwargs))
+
+    def empty_like(self, *args, **kwargs):
+        return self._poison(torch.empty_like(*args, **kwargs))
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from ops import fused
+
+    monkeypatch.setattr(fused, "torch", _PoisonedTorch())
+
+
+def randn(gen, *shape, dtype=torch.float32, scale=1.0, pad=0, fill=NAN):
+    """Random [.., last] as a view of a buffer with `pad` extra columns holding `fill`."""
+    *lead, last = shape
+    buf = torch.full((*lead, last + pad), fill, dtype=torch.float32)
+    buf[..., :last] = torch.randn(*shape, generator=gen) * scale
+    return buf.to(dtype).to(DEVICE)[..., :last]
+
+
+def check(out, ref, dtype, gen, what):
+    assert out.dtype == dtype, f"{what}: dtype {out.dtype} != {dtype}"
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (seed={gen.initial_seed()})"
+    out, ref = out.double().cpu(), ref.double().cpu()
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < TOL[dtype], f"{what}: rel err {err:.3e} >= {TOL[dtype]} (seed={gen.initial_seed()})"
+
+
+# --- float64 oracles and the unfused code the ops replace (as engine/models/qwen3.py had it) ---
+def oracle_rms_norm(x, w, eps):
+    x, w = x.double(), w.double()
+    return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def oracle_rope(x, cos, sin, positions):
+    half = x.shape[-1] // 2
+    c, s = cos.double()[positions.long(), None, :], sin.double()[positions.long(), None, :]
+    return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+
+def unfused_rms_norm(x, weight, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+# --- norms ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 96), (7, 1024), (33, 96)])
+def test_rms_norm(gen, backend, dtype, T, H):
+    x = randn(gen, T, H, dtype=dtype, scale=3.0, pad=5)
+    w = randn(gen, H, dtype=dtype)
+    out = ops.rms_norm(x, w, EPS, backend=backend)
+    check(out, oracle_rms_norm(x, w, EPS), dtype, gen, "rms_norm vs float64")
+    unfused = unfused_rms_norm(x, w, EPS)
+    if backend == "torch":
+        assert torch.equal(out, unfused)
+    else:
+        check(out, unfused, dtype, gen, "rms_norm vs unfused")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 96), (7, 1024), (33, 96)])
+def test_fused_add_rms_norm(gen, backend, dtype, T, H):
+    x = randn(gen, T, H, dtype=dtype, pad=3)
+    residual = randn(gen, T, H, dtype=dtype, scale=2.0, pad=7)
+    w = randn(gen, H, dtype=dtype)
+    normed, new_residual = ops.fused_add_rms_norm(x, residual, w, EPS, backend=backend)
+    # the sum is rounded to the model dtype, exactly as the unfused `x = x + attn_out`
+    assert torch.equal(new_residual, x + residual), f"residual (seed={gen.initial_seed()})"
+    check(normed, oracle_rms_norm(x + residual, w, EPS), dtype, gen, "normed vs float64")
+    unfused = unfused_rms_norm(x + residual, w, EPS)
+    if backend == "torch":
+        assert torch.equal(normed, unfused)
+    else:
+        check(normed, unfused, dtype, gen, "normed vs unfused")
+
+
+# --- qk_norm_rope --------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 4, 2, 64), (7, 8, 1, 128), (5, 4, 2, 24), (3, 40, 8, 128)])
+def test_qk_norm_rope(gen, backend, dtype, T, Hq, Hkv, D):
+    max_pos = 4096
+    rotary = RotaryEmbedding(D, 1e6, max_pos).to(DEVICE)
+    # q and k as the attention layer makes them: views of the fused qkv projection
+    qkv = randn(gen, T, (Hq + 2 * Hkv) * D, dtype=dtype, scale=2.0, pad=3)
+    q = qkv[:, : Hq * D].reshape(T, Hq, D)
+    k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
+    q_w, k_w = randn(gen, D, dtype=dtype), randn(gen, D, dtype=dtype)
+    positions = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
+    q_out, k_out = ops.qk_norm_rope(q, k, q_w, k_w, EPS, rotary.cos, rotary.sin, positions, backend=backend)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    for out, x, w, what in ((q_out, q, q_w, "q"), (k_out, k, k_w, "k")):
+        ref = oracle_rope(oracle_rms_norm(x, w, EPS), rotary.cos, rotary.sin, positions)
+        check(out, ref, dtype, gen, f"{what} vs float64")
+    # the unfused path: q_norm / k_norm modules, then RotaryEmbedding.forward
+    unfused = rotary(positions, unfused_rms_norm(q, q_w, EPS), unfused_rms_norm(k, k_w, EPS))
+    for out, ref, what in zip((q_out, k_out), unfused, "qk"):
+        if backend == "torch":
+            assert torch.equal(out, ref), what
+        else:
+            check(out, ref, dtype, gen, f"{what} vs unfused")
+
+
+# --- silu_and_mul --------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,inter", [(1, 70), (7, 1024), (3, 3000)])
+def test_silu_and_mul(gen, backend, dtype, T, inter):
+    x = randn(gen, T, 2 * inter, dtype=dtype, scale=3.0, pad=9)
+    out = ops.silu_and_mul(x, backend=backend)
+    gate, up = x.double()[:, :inter], x.double()[:, inter:]
+    check(out, gate / (1 + torch.exp(-gate)) * up, dtype, gen, "silu_and_mul vs float64")
+    unfused = torch.nn.functional.silu(x[:, :inter]) * x[:, inter:]
+    if backend == "torch":
+        assert torch.equal(out, unfused)
+    else:
+        check(out, unfused, dtype, gen, "silu_and_mul vs unfused")
+
+
+# --- gumbel_sample -------------------------------------------------------------------------
+def sampling_inputs(gen, B, V, pad=0):
+    logits = randn(gen, B, V, scale=3.0, pad=pad, fill=float("inf"))  # +inf: a stray read would win
+    temperature = (torch.rand(B, generator=gen) * 1.7 + 0.3).to(DEVICE)
+    seed = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    step = torch.randint(0, 2**20, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    return logits, temperature, seed, step
+
+
+def test_uniform_noise_is_bit_exact(gen):
+    from ops import fused
+
+    B, V = 9, 1500
+    seed = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    step = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    ids = torch.randint(0, 2**31 - 1, (B, V), generator=gen, dtype=torch.int64)
+    ids[0, :3] = torch.tensor([0, 1, 2**31 - 1])
+    ids = ids.to(DEVICE)
+    expected = sampler.uniform_noise(seed, step, ids)
+    assert torch.equal(fused.uniform_noise(seed, step, ids), expected), f"seed={gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gumbel_sample_of_zero_logits_is_the_noise_argmax(gen, backend):
+    B, V = 6, 5003
+    _, _, seed, step = sampling_inputs(gen, B, V)
+    logits = torch.zeros(B, V, device=DEVICE)
+    u = sampler.uniform_noise(seed, step, torch.arange(V, device=DEVICE)[None, :])
+    # -log(-log u) is increasing in u, and distinct 24-bit u near the top give distinct scores
+    drawn = ops.gumbel_sample(logits, torch.ones(B, device=DEVICE), seed, step, backend=backend)
+    assert drawn.dtype == torch.int64
+    assert drawn.tolist() == u.argmax(-1).tolist(), f"seed={gen.initial_seed()}"
+
+
+def oracle_gumbel_scores(logits, temperature, seed, step):
+    u = sampler.uniform_noise(seed, step, torch.arange(logits.shape[1], device=logits.device)[None, :])
+    return logits.double() / temperature.double()[:, None] - torch.log(-torch.log(u.double()))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("B,V", [(1, 3001), (5, 7000), (11, 600)])
+def test_gumbel_sample_matches_float64(gen, num_splits, B, V):
+    from ops import fused
+
+    logits, temperature, seed, step = sampling_inputs(gen, B, V, pad=17)
+    # make ties impossible: lift each row's float64 winner 0.05 above the runner-up at least
+    winner = oracle_gumbel_scores(logits, temperature, seed, step).argmax(-1)
+    rows = torch.arange(B, device=DEVICE)
+    logits[rows, winner] += 0.05 * temperature
+    scores = oracle_gumbel_scores(logits, temperature, seed, step)
+    top2 = scores.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1] >= 0.049).all() and torch.equal(scores.argmax(-1), winner)
+    msg = f"seed={gen.initial_seed()}"
+    assert fused.gumbel_sample(logits, temperature, seed, step, num_splits).tolist() == winner.tolist(), msg
+    assert ops.gumbel_sample(logits, temperature, seed, step, backend="torch").tolist() == winner.tolist(), msg
+
+
+def test_gumbel_sample_torch_backend_is_the_sampler_path(gen):
+    B, V = 7, 2000
+    logits, temperature, seed, step = sampling_inputs(gen, B, V)
+    scores = sampler.gumbel_scores(logits, temperature, seed, step, torch.arange(V, device=DEVICE)[None, :])
+    drawn = ops.gumbel_sample(logits, temperature, seed, step, backend="torch")
+    assert torch.equal(drawn, scores.argmax(-1))
+
+
+def test_gumbel_sample_of_all_minus_inf_rows_is_zero():
+    """As torch.argmax: every score ties at -inf, the first index wins (in every vocabulary range)."""
+    from ops import fused
+
+    B, V = 3, 2500
+    logits = torch.full((B, V), float("-inf"), device=DEVICE)
+    args = (torch.ones(B, device=DEVICE), torch.zeros(B, dtype=torch.int64, device=DEVICE),
+            torch.zeros(B, dtype=torch.int64, device=DEVICE))
+    for num_splits in (1, 3):
+        assert fused.gumbel_sample(logits, *args, num_splits).tolist() == [0] * B
+
+
+# --- the model with the Triton backend -----------------------------------------------------
+def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
+    """The tiny Qwen3 forward (prefill) with the fused ops on Triton vs on torch (float32)."""
+    from engine.kv_cache import PagedKVCache
+    from engine.models.qwen3 import AttentionMetadata, Qwen3Arch, Qwen3ForCausalLM
+    from ops import fused
+
+    arch = Qwen3Arch(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=1e6,
+                     rms_norm_eps=1e-6, tie_word_embeddings=True)
+    torch.manual_seed(gen.initial_seed())
+    model = Qwen3ForCausalLM(arch, max_positions=64).to(DEVICE)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    lens = [5, 3]
+    T, block_size = sum(lens), 4
+    input_ids = torch.randint(0, arch.vocab_size, (T,), generator=gen).to(DEVICE)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    block_tables = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10], dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, block_tables=block_tables,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+                             cu_seqlens_q=torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE),
+                             max_seqlen_q=5)
+    outs = {}
+    for backend in BACKENDS:
+        monkeypatch.setattr(ops, "_pick_fused", lambda _, __, b=backend: fused if b == "triton" else ops.fused_reference)
+        cache = PagedKVCache(arch, 4, block_size, torch.float32, torch.device(DEVICE))
+        with torch.no_grad():
+            outs[backend] = model(input_ids, positions, cache, meta)
+    check(outs["triton"], outs["torch"], torch.float32, gen, "hidden states")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_no_host_synchronisation(gen):
+    T, H, Hq, Hkv, D = 8, 256, 8, 2, 128
+    rotary = RotaryEmbedding(D, 1e6, 128).to(DEVICE)
+    x, r, w = randn(gen, T, H), randn(gen, T, H), randn(gen, H)
+    q, k, qkw = randn(gen, T, Hq, D), randn(gen, T, Hkv, D), randn(gen, D)
+    positions = torch.arange(T, device=DEVICE)
+    logits, temperature, seed, step = sampling_inputs(gen, 4, 1000)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.rms_norm(x, w, EPS)
+        ops.fused_add_rms_norm(x, r, w, EPS)
+        ops.qk_norm_rope(q, k, qkw, qkw, EPS, rotary.cos, rotary.sin, positions)
+        ops.silu_and_mul(x)
+        ops.gumbel_sample(logits, temperature, seed, step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
