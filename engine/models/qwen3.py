@@ -8,7 +8,6 @@ qkv_proj and gate/up_proj into gate_up_proj (see engine/models/loader.py).
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ops
