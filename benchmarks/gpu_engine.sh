@@ -9,9 +9,9 @@ bench() { name=$1; shift; python3 -m engine.run job=bench model=qwen3-0.6b sched
   scheduler.max_num_batched_tokens=16384 hydra.run.dir=$runs/$name "$@" 2>&1 | grep -v '^\s*$' | tail -4 | tee -a "$out/bench.log"
   show $runs/$name/summary.parquet | tee -a "$out/bench.log"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -x -q tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py 2>&1 | tail -3 | tee "$out/tests.log"
+python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py 2>&1 | tail -15 | tee "$out/tests.log"
 bench nano job.workload=nano
 [ "${1:-}" = quick ] && exit 0
+python3 benchmarks/profile_decode.py 256 1024 2>&1 | grep -v Warning | head -30 | tee "$out/profile.log"
 bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
 bench greedy_match job.num_prompts=64 job.input_len=[100,1024] job.output_len=[32,32] job.baseline=hf sampling.temperature=0
-python3 benchmarks/profile_decode.py 256 1024 2>&1 | grep -v Warning | head -30 | tee "$out/profile.log"
