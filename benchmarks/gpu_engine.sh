@@ -1,17 +1,36 @@
 #!/usr/bin/env bash
-# The GPU engine's checks and benchmarks in one device call (issue 4). Logs go to $OUT (or ./gpu_logs).
-# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [quick]
+# The GPU engine's checks and benchmarks in one device call (issue 4; the H200 sweep of issue 5).
+# Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
+# Sections: tests nano profile baseline sweep (default: all). Logs go to $OUT (or ./gpu_logs).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
+sections=${*:-tests nano profile baseline sweep}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+want() { [[ " $sections " == *" $1 "* ]]; }
 show() { python3 -c "import pyarrow.parquet as pq, sys; r = pq.read_table(sys.argv[1]).to_pylist()[0]; print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})" "$1"; }
 bench() { name=$1; shift; python3 -m engine.run job=bench model=qwen3-0.6b scheduler.max_num_seqs=256 \
   scheduler.max_num_batched_tokens=16384 hydra.run.dir=$runs/$name "$@" 2>&1 | grep -v '^\s*$' | tail -4 | tee -a "$out/bench.log"
   show $runs/$name/summary.parquet | tee -a "$out/bench.log"; }
+steps() { python3 - "$1" <<'PY' | tee -a "$out/bench.log"
+import sys, pyarrow.parquet as pq
+rows = pq.read_table(sys.argv[1]).to_pylist()
+for phase in ("prefill", "decode"):
+    sel = [r for r in rows if r["phase"] == phase]
+    print(f"{phase}: {len(sel)} steps, {sum(r['step_time_s'] for r in sel):.3f} s, {sum(r['tokens'] for r in sel)} tokens")
+print("slowest steps:", [(r["step"], r["phase"], r["seqs"], round(r["step_time_s"] * 1e3, 1)) for r in sorted(rows, key=lambda r: -r["step_time_s"])[:8]])
+PY
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py 2>&1 | tail -15 | tee "$out/tests.log"
-bench nano job.workload=nano
-[ "${1:-}" = quick ] && exit 0
-python3 benchmarks/profile_decode.py 256 1024 2>&1 | grep -v Warning | head -30 | tee "$out/profile.log"
-bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
-bench greedy_match job.num_prompts=64 job.input_len=[100,1024] job.output_len=[32,32] job.baseline=hf sampling.temperature=0
+want tests && python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py 2>&1 | tail -15 | tee "$out/tests.log"
+want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; }
+want profile && python3 benchmarks/profile_decode.py 256 1024 2>&1 | grep -v Warning | head -30 | tee "$out/profile.log"
+if want baseline; then
+  bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
+  bench greedy_match job.num_prompts=64 job.input_len=[100,1024] job.output_len=[32,32] job.baseline=hf sampling.temperature=0
+fi
+if want sweep; then
+  python3 -m engine.run -m job=bench model=qwen3-0.6b scheduler.max_num_seqs=256 cache.block_size=8,16,32,64,128 \
+    cache.kv_budget_gb=8 job.num_prompts=256 'job.input_len=[100,1024]' 'job.output_len=[100,512]' \
+    hydra.sweep.dir=$runs/sweep 2>&1 | grep -E "INFO|rror" | tee -a "$out/sweep.log"
+  python3 -m engine.run job=analyze job.root=$runs/sweep job.out=$out 2>&1 | tail -12 | tee -a "$out/sweep.log"
+fi
