@@ -29,8 +29,9 @@ if want baseline; then
   bench greedy_match job.num_prompts=64 job.input_len=[100,1024] job.output_len=[32,32] job.baseline=hf sampling.temperature=0
 fi
 if want sweep; then
-  python3 -m engine.run -m job=bench model=qwen3-0.6b scheduler.max_num_seqs=256 cache.block_size=8,16,32,64,128 \
+  python3 -m engine.run -m job=bench model=qwen3-0.6b scheduler.max_num_seqs=256 scheduler.max_num_batched_tokens=16384 cache.block_size=8,16,32,64,128 \
     cache.kv_budget_gb=8 job.num_prompts=256 'job.input_len=[100,1024]' 'job.output_len=[100,512]' \
     hydra.sweep.dir=$runs/sweep 2>&1 | grep -E "INFO|rror" | tee -a "$out/sweep.log"
-  python3 -m engine.run job=analyze job.root=$runs/sweep job.out=$out 2>&1 | tail -12 | tee -a "$out/sweep.log"
+  python3 -m engine.run job=analyze job.root=$runs/sweep 2>&1 | tail -12 | tee -a "$out/sweep.log"
+  cp $runs/sweep/sweep.png $runs/sweep/sweep.parquet "$out/"
 fi
