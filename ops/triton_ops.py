@@ -137,7 +137,7 @@ def _attn_tile(
 # --------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["s_btb"])
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, num_splits, num_q_heads,
@@ -313,7 +313,9 @@ def _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_s
 # --------------------------------------------------------------------------------------------
 # prefill
 # --------------------------------------------------------------------------------------------
-@triton.jit
+# Integer arguments that change from call to call are not specialised: Triton would otherwise compile
+# a new variant whenever one of them becomes 1 or a multiple of 16 (seconds, inside a timed run).
+@triton.jit(do_not_specialize=["num_seqs", "s_btb"])
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_ptr, seqlen_ptr, out_ptr,
     qk_scale, num_seqs,
