@@ -40,7 +40,8 @@ def attend(q, k, v, scale, first_query_pos):
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
-def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale):
+def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None):
+    """max_seqlen_q: a tiling hint for the Triton version, not needed here."""
     out = torch.empty_like(q)
     bounds, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
@@ -51,6 +52,7 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
     return out
 
 
-def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale):
+def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None):
+    """max_seq_len: a grid-sizing hint for the Triton version, not needed here."""
     cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
