@@ -4,28 +4,47 @@ Each takes backend=None|"triton"|"torch": None picks Triton for CUDA tensors and
 otherwise. Contracts and shapes: ops/reference.py, ops/fused_reference.py and DESIGN.md. The Triton
 modules (ops/triton_ops.py, ops/fused.py) are imported only when asked for: triton is optional on CPU.
 """
-import importlib
+from ops import reference
 
 BACKENDS = ("triton", "torch")
 
 
-def _pick(backend, tensor, reference: str, kernels: str):
+def _use_triton(backend, tensor) -> bool:
     if backend is None:
-        backend = "triton" if tensor.is_cuda else "torch"
+        return tensor.is_cuda
     if backend not in BACKENDS:
         raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    return importlib.import_module(f"ops.{reference if backend == 'torch' else kernels}")
+    return backend == "triton"
+
+
+# Plain import statements, not importlib: torch.compile traces through these pickers.
+def _pick(backend, tensor):
+    if not _use_triton(backend, tensor):
+        return reference
+    from ops import triton_ops
+
+    return triton_ops
+
+
+def _pick_fused(backend, tensor):
+    if not _use_triton(backend, tensor):
+        from ops import fused_reference
+
+        return fused_reference
+    from ops import fused
+
+    return fused
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=None):
-    return _pick(backend, key, "reference", "triton_ops").write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    return _pick(backend, key).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, backend=None, *,
                            max_seq_len=None):
     """max_seq_len (optional): a CPU-side bound of seq_lens; the Triton backend uses it only to size its
     split-KV grid (results are right for any value)."""
-    return _pick(backend, q, "reference", "triton_ops").paged_attention_decode(
+    return _pick(backend, q).paged_attention_decode(
         q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len)
 
 
@@ -33,12 +52,8 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
                             max_seqlen_q=None):
     """max_seqlen_q (optional): a CPU-side bound of the query lengths; the Triton backend uses it to pick a
     smaller query tile for short chunks (it never needs it, and never synchronises with the device)."""
-    return _pick(backend, q, "reference", "triton_ops").paged_attention_prefill(
+    return _pick(backend, q).paged_attention_prefill(
         q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=max_seqlen_q)
-
-
-def _pick_fused(backend, tensor):
-    return _pick(backend, tensor, "fused_reference", "fused")
 
 
 def rms_norm(x, weight, eps, backend=None):
