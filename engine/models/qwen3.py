@@ -55,7 +55,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, head_dim] in float32; applied as x*cos + rotate_half(x)*sin."""
+    """cos/sin tables [max_positions, head_dim] in float32; ops.qk_norm_rope applies them as
+    x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1)."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int):
         super().__init__()
@@ -64,15 +65,6 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, positions, q, k):
-        cos, sin = self.cos[positions, None, :].to(q.dtype), self.sin[positions, None, :].to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Qwen3Attention(nn.Module):
