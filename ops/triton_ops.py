@@ -29,7 +29,6 @@ Every read is bounded by seq_len: no read of block-table padding, of -1 entries,
 slots of a sequence's last block.
 """
 import functools
-import math
 from typing import Optional
 
 import torch

@@ -27,6 +27,15 @@ def make_config():
     return make
 
 
+@pytest.fixture
+def one_thread():
+    """The tiny model gains nothing from threads, and loses much to OpenMP waits on a busy 2-core runner."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def qwen3_checkpoint(tmp_path_factory):
     """A small random Qwen3 saved by transformers (weights, config, byte-level tokenizer), and the model."""

@@ -3,21 +3,11 @@ as a roomy pool, keeps the block manager's invariants after every step, and leak
 import random
 
 import pytest
-import torch
 
 from engine.engine import LLMEngine
 from engine.sequence import SamplingParams
 
 MAX_MODEL_LEN, BLOCK_SIZE = 48, 4
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model gains nothing from threads, and loses much to OpenMP waits on a busy 2-core runner."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def requests(n: int, seed: int = 0):

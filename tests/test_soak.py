@@ -6,20 +6,11 @@ import random
 import weakref
 
 import pytest
-import torch
 
 from engine.engine import LLMEngine
 from engine.sequence import SamplingParams
 
 NUM_REQUESTS = 3000
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rss_bytes() -> int:
