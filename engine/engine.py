@@ -126,9 +126,9 @@ class LLMEngine:
     def _account(batch) -> None:
         """Count the launched chunks as computed; a chunk that ends its sequence's prefill drew a token,
         which stays a placeholder until resolved."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, draws in zip(batch.seqs, batch.num_new_tokens, batch.draws):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
+            if draws:
                 seq.output_token_ids.append(PLACEHOLDER)
 
     def _resolve(self, step: InFlight) -> list[Sequence]:

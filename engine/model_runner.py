@@ -23,7 +23,6 @@ class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
                  device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0):
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
-        self.max_blocks_per_seq = max_blocks_per_seq
         self.pin = device.type == "cuda"
         self.graphs = None
         if device.type == "cuda" and max_graph_batch > 0:
@@ -74,13 +73,13 @@ class ModelRunner:
             self.model.arch.vocab_size, self.device,
         )
         tokens = sample(logits, params)
-        drew = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)) if s.num_computed_tokens + n == s.num_tokens]
+        drew = [i for i, draws in enumerate(batch.draws) if draws]
         return InFlight.start(tokens, [batch.seqs[i] for i in drew], drew)
 
     def _fill_placeholders(self, batch: ScheduledBatch, input_ids: torch.Tensor, previous: "InFlight") -> None:
         ends = np.cumsum(batch.num_new_tokens) - 1
-        pairs = [(ends[i], previous.rows[s.seq_id]) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                 if s.has_placeholder and s.num_computed_tokens + n == s.num_tokens]
+        pairs = [(ends[i], previous.rows[s.seq_id]) for i, (s, draws) in enumerate(zip(batch.seqs, batch.draws))
+                 if draws and s.has_placeholder]
         if pairs:
             dst, src = (self._to_device(np.array(col, dtype=np.int64)) for col in zip(*pairs))
             input_ids[dst] = previous.device_tokens[src]

@@ -25,6 +25,10 @@ class ScheduledBatch:
     is_prefill: bool
     num_preempted: int = 0
 
+    def __post_init__(self):
+        # which sequences draw a token in this step: their chunk reaches their last token
+        self.draws = [n == s.num_uncomputed_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
