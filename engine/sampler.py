@@ -13,6 +13,7 @@ import torch
 
 import ops
 from engine.sequence import SamplingParams
+from ops.fused_reference import gumbel_scores, uniform_noise  # noqa: F401  (the noise the Triton kernel reproduces)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -43,20 +44,6 @@ class SamplingTensors:
         )
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash, in int64 arithmetic that cannot overflow."""
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seed: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Uniform (0, 1) values [B, V], a pure function of (seed[b], step[b], token_ids[b, v])."""
-    key = _mix32(_mix32(seed) ^ step)
-    bits = _mix32(key[:, None] ^ token_ids) >> 8  # 24 bits: exact in float32
-    return (bits.float() + 0.5) / float(1 << 24)
-
-
 def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
     """Sorted logits with everything outside top-k and top-p set to -inf, and their token ids."""
     sorted_logits, token_ids = logits.sort(dim=-1, descending=True)
@@ -65,11 +52,6 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
     mass_before = probs.cumsum(dim=-1) - probs
     drop = (rank[None, :] >= top_k[:, None]) | (mass_before > top_p[:, None])
     return sorted_logits.masked_fill(drop, float("-inf")), token_ids
-
-
-def gumbel_scores(logits: torch.Tensor, temperature: torch.Tensor, seed, step, token_ids) -> torch.Tensor:
-    """logits / T + Gumbel noise drawn for (seed, step, token id); its argmax is a sample."""
-    return logits / temperature[:, None] - (-uniform_noise(seed, step, token_ids).log()).log()
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

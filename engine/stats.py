@@ -58,8 +58,8 @@ STEPS_SCHEMA = pa.schema([(f.name, _ARROW_TYPES[f.type]) for f in fields(StepSta
 
 
 def snapshot(step, batch, scheduler, manager: KVBlockManager, max_model_len: int) -> StepStats:
-    stored, waste = manager.stored_tokens(), manager.internal_fragmentation_tokens()
-    allocated = manager.num_used_blocks * manager.block_size
+    stored, allocated = manager.stored_tokens(), manager.num_used_blocks * manager.block_size
+    waste = allocated - stored  # = internal_fragmentation_tokens(): no block is shared, so one scan suffices
     reserved = len(manager.sequences) * max_model_len
     return StepStats(
         step=step, phase="prefill" if batch.is_prefill else "decode", seqs=len(batch.seqs),

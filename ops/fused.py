@@ -21,7 +21,7 @@ Kernels:
 - silu_and_mul: one program per (row, tile of I).
 - gumbel_sample: programs per (row, vocabulary range) loop over vocabulary tiles keeping a
   per-lane running max and argmax (first index on ties); the counter-based noise is computed in
-  the kernel (uint32 arithmetic, bit-identical to engine/sampler.uniform_noise for seed and step
+  the kernel (uint32 arithmetic, bit-identical to ops/fused_reference.uniform_noise for seed and step
   in [0, 2^32)). With one range per row the program writes the token id; otherwise each range
   writes (max, argmax) and a second kernel reduces the ranges of a row. On CUDA the score uses
   IEEE division and libdevice's logf, as torch's CUDA kernels do, so that ties resolve alike.
@@ -205,7 +205,7 @@ def _silu_and_mul_impl(x):
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _mix32(x):
-    """engine/sampler._mix32 on uint32 values: the same bits as its int64 arithmetic (which keeps
+    """ops/fused_reference.mix32 on uint32 values: the same bits as its int64 arithmetic (which keeps
     the low 32 bits of each product)."""
     x = (x ^ (x >> 16)) * 0x45D9F3B
     x = (x ^ (x >> 16)) * 0x45D9F3B

@@ -12,7 +12,7 @@ operation (same rounding steps), so the torch backend gives bit-identical result
     silu_and_mul(x[T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:]
     gumbel_sample(logits[B,V] float32, temperature[B] float32 > 0, seed[B] int64, step[B] int64)
         -> int64 [B] = argmax_v logits[b,v] / temperature[b] - log(-log(U(seed[b], step[b], v))),
-        first index on ties; U is engine/sampler.uniform_noise (seed, step in [0, 2^32)).
+        first index on ties; U is uniform_noise below (seed, step in [0, 2^32)).
 """
 import torch
 import torch.nn.functional as F
@@ -48,20 +48,24 @@ def silu_and_mul(x):
 
 
 def mix32(x):
-    """engine/sampler._mix32: a 32-bit integer hash in int64 arithmetic that cannot overflow."""
+    """A 32-bit integer hash, in int64 arithmetic that cannot overflow."""
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
     return x ^ (x >> 16)
 
 
 def uniform_noise(seed, step, token_ids):
-    """engine/sampler.uniform_noise: uniform (0, 1) values [B, V] from (seed[b], step[b], token_ids[b, v])."""
+    """Uniform (0, 1) values [B, V], a pure function of (seed[b], step[b], token_ids[b, v])."""
     key = mix32(mix32(seed) ^ step)
     bits = mix32(key[:, None] ^ token_ids) >> 8  # 24 bits: exact in float32
     return (bits.float() + 0.5) / float(1 << 24)
 
 
+def gumbel_scores(logits, temperature, seed, step, token_ids):
+    """logits / T + Gumbel noise drawn for (seed, step, token id); its argmax is a sample."""
+    return logits / temperature[:, None] - (-uniform_noise(seed, step, token_ids).log()).log()
+
+
 def gumbel_sample(logits, temperature, seed, step):
     token_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    scores = logits / temperature[:, None] - (-uniform_noise(seed, step, token_ids).log()).log()
-    return scores.argmax(dim=-1)
+    return gumbel_scores(logits, temperature, seed, step, token_ids).argmax(dim=-1)
