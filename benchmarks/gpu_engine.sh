@@ -18,12 +18,21 @@ for phase in ("prefill", "decode"):
     sel = [r for r in rows if r["phase"] == phase]
     print(f"{phase}: {len(sel)} steps, {sum(r['step_time_s'] for r in sel):.3f} s, {sum(r['tokens'] for r in sel)} tokens")
 print("slowest steps:", [(r["step"], r["phase"], r["seqs"], round(r["step_time_s"] * 1e3, 1)) for r in sorted(rows, key=lambda r: -r["step_time_s"])[:8]])
+# decode time by batch size, against reading each step's K/V once at copy speed (Qwen3-0.6B, bf16)
+kv_s = lambda r: r["stored_tokens"] * 28 * 2 * 8 * 128 * 2 / 4.26e12
+edges = [1, 9, 17, 33, 65, 129, 193, 257]
+print("seqs      steps  time_s  kv_floor_s  ms/step  excess_ms/step")
+for lo, hi in zip(edges, edges[1:]):
+    sel = [r for r in rows if r["phase"] == "decode" and lo <= r["seqs"] < hi]
+    if sel:
+        t, f = sum(r["step_time_s"] for r in sel), sum(kv_s(r) for r in sel)
+        print(f"{lo:3d}-{hi - 1:<3d} {len(sel):7d} {t:7.3f} {f:11.3f} {1e3 * t / len(sel):8.2f} {1e3 * (t - f) / len(sel):14.2f}")
 PY
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
-want tests && python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py 2>&1 | tail -15 | tee "$out/tests.log"
-want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; }
-want profile && python3 benchmarks/profile_decode.py 256 1024 2>&1 | grep -v Warning | head -30 | tee "$out/profile.log"
+want tests && python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py tests/test_ops.py -k "${TESTS_K:-not prefill}" 2>&1 | tail -15 | tee "$out/tests.log"
+want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp $runs/nano/steps.parquet "$out/nano_steps.parquet"; }
+want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"
 if want baseline; then
   bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
   bench greedy_match job.num_prompts=64 job.input_len=[100,1024] job.output_len=[32,32] job.baseline=hf sampling.temperature=0

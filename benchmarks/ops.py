@@ -12,7 +12,7 @@ Prints, in one run:
 Timing: triton.testing.do_bench medians (L2 flushed between repetitions, warm-up first); decode is
 timed as CUDA-graph replays (as the engine runs it), the rest eagerly.
 Options: --sweep also times tile/warp/stage variants and forced split counts on a few shapes;
---quick runs a reduced grid. Full log: $OUT/bench_ops.log when OUT is set.
+--quick runs a reduced grid; --mixed only times decode over contexts of mixed lengths. Full log: $OUT/bench_ops.log when OUT is set.
 """
 import argparse
 import math
@@ -148,6 +148,27 @@ def run_decode(copy_gbs, batches, contexts, block_sizes):
     return rows
 
 
+def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
+    """Contexts of mixed lengths, uniform in [lo, hi] as in the nano workload (every sequence alone in
+    one program, or split evenly, by the same heuristic as for equal lengths)."""
+    log(f"\n## decode, contexts uniform in [{lo}, {hi}] (bf16, block {bs}; CUDA-graph replays; % = of the copy)")
+    log("| batch | time us | % copy |")
+    log("|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for B in batches:
+        lens = torch.randint(lo, hi + 1, (B,), generator=gen)
+        M = -(-hi // bs)
+        kc = torch.randn(B * M, HKV, bs, D, dtype=DT, device="cuda")
+        vc = torch.randn(B * M, HKV, bs, D, dtype=DT, device="cuda")
+        bt = torch.randperm(B * M, device="cuda").to(torch.int32).view(B, M)
+        q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
+        seq_lens = lens.to(torch.int32).cuda()
+        ms = bench(lambda: triton_ops.paged_attention_decode(q, kc, vc, bt, seq_lens, 1 / math.sqrt(D)), graph=True)
+        log(f"| {B} | {ms * 1e3:.1f} | {100 * 2 * int(lens.sum()) * HKV * D * ESZ / ms / 1e6 / copy_gbs:.0f}% |")
+        del kc, vc
+        torch.cuda.empty_cache()
+
+
 def prefill_case(nseq, L, bs, cfg=None):
     T = nseq * L
     nb = T // bs
@@ -251,13 +272,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--mixed", action="store_true", help="only the mixed-length decode table")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "benchmarks/ops.py needs a CUDA GPU"
     t0 = time.time()
     copy_gbs, mm_tflops = ceilings()
     if args.sweep:
         sweep(copy_gbs, mm_tflops)
-    if args.quick:
+    if args.mixed:
+        run_decode_mixed(copy_gbs, [4, 16, 48, 128, 256])
+    elif args.quick:
         run_decode(copy_gbs, [1, 256], [2048, 32768], [16, 128])
         run_prefill(mm_tflops, [(1, 8192)])
     else:

@@ -2,10 +2,14 @@
 
 Builds the engine on the Qwen3-0.6B shape, prefills N prompts, then times decode steps: wall time
 (no profiler), summed kernel time (torch.profiler, CUDA activity only), their difference per step as
-the host overhead, the host time of each phase of a step, and cProfile's top host functions.
-Usage: python3 benchmarks/profile_decode.py [num_seqs] [context]
+the host overhead, the kernel time per step by kernel, the host time of each phase of a step, and
+cProfile's top host functions.
+Usage: python3 benchmarks/profile_decode.py [--host] SEQS:CONTEXT [SEQS:CONTEXT ...]
+CONTEXT is a prompt length or a range LO-HI (lengths uniform in it, as in the nano workload);
+--host adds the host phases and cProfile. Default: 256:1024.
 """
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -21,29 +25,41 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 
 
-def main(num_seqs: int = 256, context: int = 1024, steps: int = 50, temperature: float = 0.6) -> None:
-    register_configs()
+KV_BYTES_PER_TOKEN = 28 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head_dim x bf16
+COPY_BYTES_PER_S = 4.26e12  # the H200's measured device-to-device copy
+
+
+def main(num_seqs: int, context: str, host: bool, steps: int = 50, temperature: float = 0.6) -> None:
+    lo, _, hi = context.partition("-")
+    lo, hi = int(lo), int(hi or lo)
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
         cfg = compose("config", overrides=["model=qwen3-0.6b", f"scheduler.max_num_seqs={num_seqs}",
                                            "scheduler.max_num_batched_tokens=16384", "job=bench"])
     engine = LLMEngine(cfg)
     generator = torch.Generator().manual_seed(0)
     for i in range(num_seqs):
-        prompt = torch.randint(0, min(10000, engine.model.arch.vocab_size), (context,), generator=generator).tolist()
+        length = int(torch.randint(lo, hi + 1, (1,), generator=generator))
+        prompt = torch.randint(0, min(10000, engine.model.arch.vocab_size), (length,), generator=generator).tolist()
         engine.add_request(str(i), prompt, SamplingParams(temperature=temperature, max_tokens=10 * steps, ignore_eos=True))
     while any(s.num_uncomputed_tokens > 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
         engine.step()
     for _ in range(5):
         engine.step()
+    kv_floor = engine.block_manager.stored_tokens() * KV_BYTES_PER_TOKEN / COPY_BYTES_PER_S
     wall = timed_steps(engine, steps)
-    busy = kernel_seconds(engine, steps)
-    print(f"decode batch {num_seqs}, context ~{context}: {wall / steps * 1e3:.2f} ms/step wall, "
+    busy, by_kernel = kernel_seconds(engine, steps)
+    print(f"decode batch {num_seqs}, context {context}: {wall / steps * 1e3:.2f} ms/step wall, "
           f"{busy / steps * 1e3:.2f} ms/step GPU busy ({100 * busy / wall:.1f}%), "
-          f"host overhead {(wall - busy) / steps * 1e3:.2f} ms/step, {num_seqs * steps / wall:.0f} tok/s")
-    phases(engine, steps)
-    profiler = cProfile.Profile()
-    profiler.runcall(timed_steps, engine, steps)
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+          f"host overhead {(wall - busy) / steps * 1e3:.2f} ms/step, {num_seqs * steps / wall:.0f} tok/s, "
+          f"K/V read at copy speed {kv_floor * 1e3:.2f} ms/step")
+    for name, (seconds, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"  {seconds / steps * 1e3:7.3f} ms/step {calls // steps:4d} calls/step  {name[:90]}")
+    if host:
+        phases(engine, steps)
+        profiler = cProfile.Profile()
+        profiler.runcall(timed_steps, engine, steps)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+    engine.close()
 
 
 def timed_steps(engine, steps: int) -> float:
@@ -55,11 +71,17 @@ def timed_steps(engine, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def kernel_seconds(engine, steps: int) -> float:
-    """Summed GPU kernel time of `steps` decode steps (CUDA activity only, to keep the profiler light)."""
+def kernel_seconds(engine, steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
+    """Summed GPU kernel time of `steps` decode steps (CUDA activity only, to keep the profiler light),
+    and per kernel name (seconds, calls)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         timed_steps(engine, steps)
-    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    by_kernel: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            seconds, calls = by_kernel.get(e.name, (0.0, 0))
+            by_kernel[e.name] = (seconds + e.device_time / 1e6, calls + 1)
+    return sum(seconds for seconds, _ in by_kernel.values()), by_kernel
 
 
 def phases(engine, steps: int) -> None:
@@ -89,5 +111,11 @@ def timed(obj, name: str, totals: dict, key: str) -> None:
 
 
 if __name__ == "__main__":
-    with torch.inference_mode():
-        main(*(int(a) for a in sys.argv[1:3]))
+    register_configs()
+    args = sys.argv[1:]
+    for spec in [a for a in args if a != "--host"] or ["256:1024"]:
+        seqs, _, ctx = spec.partition(":")
+        with torch.inference_mode():
+            main(int(seqs), ctx, "--host" in args)
+        gc.collect()
+        torch.cuda.empty_cache()

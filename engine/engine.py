@@ -69,11 +69,17 @@ class LLMEngine:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Run a short and a long request through every path (prefill, decode, sampling) so that kernel
-        compilation stays out of the timed run."""
-        long_prompt = min(self.cfg.scheduler.max_num_batched_tokens, self.max_model_len, self.num_blocks * self.block_size) - 2
-        for i, length in enumerate((1, long_prompt)):
-            self.add_request(f"warm-up-{i}", [0] * length, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True))
+        """A small run of the real loop before the timed one: a prefill step at the full token budget,
+        then decode steps at every batch size from max_num_seqs down to 1 (request i stops after i + 1
+        tokens). Kernel compilation, cuBLAS's choice of kernel for each new matmul shape, the first
+        replay of each CUDA graph and the pinned buffers of each size all happen here; met for the first
+        time inside a run, each stalled the host for milliseconds, long enough for the GPU to idle."""
+        num_seqs = self.cfg.scheduler.max_num_seqs
+        room = min(self.max_model_len, self.num_blocks * self.block_size // num_seqs)  # tokens per request
+        prompt = max(1, min(self.cfg.scheduler.max_num_batched_tokens // num_seqs, room // 2))
+        for i in range(num_seqs):
+            tokens = max(1, min(i + 1, room - prompt))
+            self.add_request(f"warm-up-{i}", [0] * prompt, SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True))
         list(self.run())
         self.stats = StatsRecorder()  # the warm-up is not part of the run
 

@@ -55,15 +55,14 @@ def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Token ids [B] from float32 logits [B, V]."""
-    greedy = logits.argmax(dim=-1)
+    """Token ids [B] from logits [B, V] in the model's dtype (sampling math in float32)."""
     if t.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    if not t.any_truncation:  # one pass over the logits; rows at temperature 0 take the argmax
+        return ops.gumbel_sample(logits, t.temperature, t.seed, t.step)  # = gumbel_scores(...).argmax(-1)
+    logits = logits.float()
     temperature = t.temperature.clamp(min=1e-6)
-    if t.any_truncation:
-        kept, token_ids = truncate(logits / temperature[:, None], t.top_k, t.top_p)
-        scores = gumbel_scores(kept, torch.ones_like(temperature), t.seed, t.step, token_ids)
-        drawn = token_ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
-    else:
-        drawn = ops.gumbel_sample(logits, temperature, t.seed, t.step)  # = gumbel_scores(...).argmax(-1)
-    return torch.where(t.temperature == 0, greedy, drawn)
+    kept, token_ids = truncate(logits / temperature[:, None], t.top_k, t.top_p)
+    scores = gumbel_scores(kept, torch.ones_like(temperature), t.seed, t.step, token_ids)
+    drawn = token_ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return torch.where(t.temperature == 0, logits.argmax(dim=-1), drawn)

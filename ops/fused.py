@@ -6,7 +6,7 @@ references: ops/fused_reference.py).
     qk_norm_rope(q[T,Hq,D], k[T,Hkv,D], q_weight[D], k_weight[D], eps, cos[P,D], sin[P,D], positions[T])
         -> (q', k')
     silu_and_mul(x[T, 2I]) -> [T, I]
-    gumbel_sample(logits[B,V] f32, temperature[B] f32, seed[B] i64, step[B] i64, num_splits=None) -> i64 [B]
+    gumbel_sample(logits[B,V] float, temperature[B] f32, seed[B] i64, step[B] i64, num_splits=None) -> i64 [B]
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
 rounding steps (float32 math, casts to the model dtype where the torch code casts). None of them
@@ -20,9 +20,10 @@ Kernels:
   partner (d +- D/2) and normalises it with the same per-head scale, so no shuffle is needed.
 - silu_and_mul: one program per (row, tile of I).
 - gumbel_sample: programs per (row, vocabulary range) loop over vocabulary tiles keeping a
-  per-lane running max and argmax (first index on ties); the counter-based noise is computed in
-  the kernel (uint32 arithmetic, bit-identical to ops/fused_reference.uniform_noise for seed and step
-  in [0, 2^32)). With one range per row the program writes the token id; otherwise each range
+  per-lane running max and argmax (first index on ties); logits of any float dtype are read once
+  and widened to float32 in registers; a row at temperature 0 takes the plain argmax. The
+  counter-based noise is computed in the kernel (uint32 arithmetic, bit-identical to
+  ops/fused_reference.uniform_noise for seed and step in [0, 2^32)). With one range per row the program writes the token id; otherwise each range
   writes (max, argmax) and a second kernel reduces the ranges of a row. On CUDA the score uses
   IEEE division and libdevice's logf, as torch's CUDA kernels do, so that ties resolve alike.
 """
@@ -246,6 +247,8 @@ def _gumbel_kernel(
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     temp = tl.load(temp_ptr + b)
+    greedy = temp == 0.0  # temperature 0: plain argmax, no noise
+    temp_safe = tl.where(temp == 0.0, 1.0, temp)
     key = _row_key(seed_ptr, step_ptr, b)
     row = logits_ptr + b * s_lb
     offs = tl.arange(0, BLOCK_V)
@@ -256,14 +259,14 @@ def _gumbel_kernel(
     for v0 in range(start, end, BLOCK_V):
         v = v0 + offs
         mask = v < end
-        x = tl.load(row + v * s_lv, mask=mask, other=float("-inf"))
+        x = tl.load(row + v * s_lv, mask=mask, other=float("-inf")).to(tl.float32)
         u = _uniform(key, v)
-        scaled = tl.math.div_rn(x, temp + tl.zeros_like(x))  # IEEE division, as torch
+        scaled = tl.math.div_rn(x, temp_safe + tl.zeros_like(x))  # IEEE division, as torch
         if CUDA_MATH:
             noise = libdevice.log(-libdevice.log(u))
         else:
             noise = tl.log(-tl.log(u))
-        score = tl.where(mask, scaled - noise, float("-inf"))
+        score = tl.where(mask, tl.where(greedy, x, scaled - noise), float("-inf"))
         take = score > best  # strict: each lane keeps its first maximum
         best = tl.where(take, score, best)
         best_idx = tl.where(take, v, best_idx)

@@ -10,9 +10,10 @@ operation (same rounding steps), so the torch backend gives bit-identical result
         -> (q', k'): per-head rms_norm over D, then x*cos + rotate_half(x)*sin with the float32
         tables cast to the model dtype first; rotate_half(x) = cat(-x2, x1)
     silu_and_mul(x[T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:]
-    gumbel_sample(logits[B,V] float32, temperature[B] float32 > 0, seed[B] int64, step[B] int64)
+    gumbel_sample(logits[B,V] float, temperature[B] float32 >= 0, seed[B] int64, step[B] int64)
         -> int64 [B] = argmax_v logits[b,v] / temperature[b] - log(-log(U(seed[b], step[b], v))),
-        first index on ties; U is uniform_noise below (seed, step in [0, 2^32)).
+        in float32, first index on ties; U is uniform_noise below (seed, step in [0, 2^32));
+        a row at temperature 0 takes argmax_v logits[b,v].
 """
 import torch
 import torch.nn.functional as F
@@ -68,4 +69,6 @@ def gumbel_scores(logits, temperature, seed, step, token_ids):
 
 def gumbel_sample(logits, temperature, seed, step):
     token_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    return gumbel_scores(logits, temperature, seed, step, token_ids).argmax(dim=-1)
+    logits, greedy = logits.float(), temperature == 0
+    scores = gumbel_scores(logits, torch.where(greedy, 1.0, temperature), seed, step, token_ids)
+    return torch.where(greedy[:, None], logits, scores).argmax(dim=-1)

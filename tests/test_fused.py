@@ -224,6 +224,25 @@ def test_gumbel_sample_matches_float64(gen, num_splits, B, V):
     assert ops.gumbel_sample(logits, temperature, seed, step, backend="torch").tolist() == winner.tolist(), msg
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gumbel_sample_at_temperature_zero_is_the_argmax(gen, backend):
+    B, V = 6, 3001
+    logits, temperature, seed, step = sampling_inputs(gen, B, V)
+    noisy = ops.gumbel_sample(logits, temperature, seed, step, backend=backend)
+    greedy = torch.arange(B, device=DEVICE) % 2 == 0
+    drawn = ops.gumbel_sample(logits, temperature.masked_fill(greedy, 0.0), seed, step, backend=backend)
+    assert drawn.tolist() == torch.where(greedy, logits.argmax(-1), noisy).tolist(), f"seed={gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gumbel_sample_reads_bfloat16_logits_as_their_float32_values(gen, backend):
+    B, V = 5, 2500
+    logits, temperature, seed, step = sampling_inputs(gen, B, V)
+    low = logits.to(torch.bfloat16)
+    drawn = ops.gumbel_sample(low, temperature, seed, step, backend=backend)
+    assert drawn.tolist() == ops.gumbel_sample(low.float(), temperature, seed, step, backend=backend).tolist()
+
+
 def test_gumbel_sample_torch_backend_is_the_sampler_path(gen):
     B, V = 7, 2000
     logits, temperature, seed, step = sampling_inputs(gen, B, V)

@@ -155,4 +155,5 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_cache, meta)
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden).float()
+        """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them."""
+        return self.lm_head(hidden)

@@ -1,0 +1,42 @@
+"""First-use costs: the nano workload three times over in one engine (issue 4).
+
+A cost paid the first time a shape or a kernel occurs (cuBLAS choosing a kernel for a new matmul shape,
+a CUDA graph's first replay, pinned buffers of a new size) shows as a first round slower than the
+next two, and as decode steps far above their neighbours ("spikes": over 1.6x the median of the 11
+steps around them). The engine's warm-up is meant to leave nothing of the kind for round 0.
+Usage: python3 benchmarks/repeat_nano.py
+"""
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.config import register_configs  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from jobs.bench import workload  # noqa: E402
+from jobs.generate import default_sampling  # noqa: E402
+
+register_configs()
+with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+    cfg = compose("config", overrides=["model=qwen3-0.6b", "scheduler.max_num_seqs=256",
+                                       "scheduler.max_num_batched_tokens=16384", "job=bench", "job.workload=nano"])
+engine = LLMEngine(cfg)
+with torch.inference_mode():
+    for round_ in range(3):
+        for i, (p, s) in enumerate(workload(cfg.job, default_sampling(cfg), engine.model.arch.vocab_size)):
+            engine.add_request(f"{round_}-{i}", p, s)
+        engine.stats.restart_clock()
+        start = time.perf_counter()
+        out = sum(len(s.output_token_ids) for s in engine.run())
+        wall = time.perf_counter() - start
+        rows = engine.stats.rows()
+        t = np.array([r["step_time_s"] for r in rows if r["phase"] == "decode"]) * 1e3
+        med = np.array([np.median(t[max(0, i - 5):i + 6]) for i in range(len(t))])
+        pre = sum(r["step_time_s"] for r in rows if r["phase"] == "prefill")
+        print(f"round {round_}: {out / wall:.0f} tok/s, {wall:.3f} s, prefill {pre:.3f} s, decode {t.sum() / 1e3:.3f} s, "
+              f"spikes {(t > 1.6 * med).sum()} ({(t - med)[t > 1.6 * med].sum():.0f} ms over the local median)", flush=True)
+        engine.stats = type(engine.stats)()
