@@ -2,6 +2,7 @@
 # The GPU engine's checks and benchmarks in one device call (issue 4; the H200 sweep of issue 5).
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
 # Sections: tests nano profile baseline sweep (default: all). Logs go to $OUT (or ./gpu_logs).
+# TESTS_K: a pytest -k filter for the tests section; PROFILE: profile_decode.py's SEQS:CONTEXT list.
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
 sections=${*:-tests nano profile baseline sweep}
@@ -30,7 +31,7 @@ for lo, hi in zip(edges, edges[1:]):
 PY
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
-want tests && python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py tests/test_ops.py -k "${TESTS_K:-not prefill}" 2>&1 | tail -15 | tee "$out/tests.log"
+want tests && python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py tests/test_ops.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -15 | tee "$out/tests.log"
 want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp $runs/nano/steps.parquet "$out/nano_steps.parquet"; }
 want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"
 if want baseline; then
