@@ -71,9 +71,9 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """A small run of the real loop before the timed one: a prefill step at the full token budget,
         then decode steps at every batch size from max_num_seqs down to 1 (request i stops after i + 1
-        tokens). Kernel compilation, cuBLAS's choice of kernel for each new matmul shape, the first
-        replay of each CUDA graph and the pinned buffers of each size all happen here; met for the first
-        time inside a run, each stalled the host for milliseconds, long enough for the GPU to idle."""
+        tokens). Whatever is paid the first time a shape occurs (kernel compilation, cuBLAS's choice of
+        kernel for a new matmul shape, a CUDA graph's first replay, pinned buffers of a new size) is
+        paid here: inside a run it stalled the host long enough for the GPU to idle (NOTES, version 7)."""
         num_seqs = self.cfg.scheduler.max_num_seqs
         room = min(self.max_model_len, self.num_blocks * self.block_size // num_seqs)  # tokens per request
         prompt = max(1, min(self.cfg.scheduler.max_num_batched_tokens // num_seqs, room // 2))
