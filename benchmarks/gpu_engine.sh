@@ -14,13 +14,15 @@ bench() { name=$1; shift; python3 -m engine.run job=bench model=qwen3-0.6b sched
   show $runs/$name/summary.parquet | tee -a "$out/bench.log"; }
 steps() { python3 - "$1" <<'PY' | tee -a "$out/bench.log"
 import sys, pyarrow.parquet as pq
+from pathlib import Path
 rows = pq.read_table(sys.argv[1]).to_pylist()
+summary = pq.read_table(Path(sys.argv[1]).with_name("summary.parquet")).to_pylist()[0]
 for phase in ("prefill", "decode"):
     sel = [r for r in rows if r["phase"] == phase]
     print(f"{phase}: {len(sel)} steps, {sum(r['step_time_s'] for r in sel):.3f} s, {sum(r['tokens'] for r in sel)} tokens")
 print("slowest steps:", [(r["step"], r["phase"], r["seqs"], round(r["step_time_s"] * 1e3, 1)) for r in sorted(rows, key=lambda r: -r["step_time_s"])[:8]])
-# decode time by batch size, against reading each step's K/V once at copy speed (Qwen3-0.6B, bf16)
-kv_s = lambda r: r["stored_tokens"] * 28 * 2 * 8 * 128 * 2 / 4.26e12
+# decode time by batch size, against reading each step's K/V once at the H200's copy speed
+kv_s = lambda r: r["stored_tokens"] * summary["kv_budget_bytes"] / summary["kv_slots"] / 4.26e12
 edges = [1, 9, 17, 33, 65, 129, 193, 257]
 print("seqs      steps  time_s  kv_floor_s  ms/step  excess_ms/step")
 for lo, hi in zip(edges, edges[1:]):

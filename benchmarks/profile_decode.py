@@ -25,17 +25,22 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
 
 
-KV_BYTES_PER_TOKEN = 28 * 2 * 8 * 128 * 2  # layers x (K, V) x kv heads x head_dim x bf16
 COPY_BYTES_PER_S = 4.26e12  # the H200's measured device-to-device copy
+
+
+def bench_engine(*overrides: str) -> LLMEngine:
+    """The engine of the GPU benchmarks: Qwen3-0.6B shape, random weights, 256 sequences, 16384 tokens."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
+        cfg = compose("config", overrides=["model=qwen3-0.6b", "scheduler.max_num_seqs=256",
+                                           "scheduler.max_num_batched_tokens=16384", "job=bench", *overrides])
+    return LLMEngine(cfg)
 
 
 def main(num_seqs: int, context: str, host: bool, steps: int = 50, temperature: float = 0.6) -> None:
     lo, _, hi = context.partition("-")
     lo, hi = int(lo), int(hi or lo)
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-        cfg = compose("config", overrides=["model=qwen3-0.6b", f"scheduler.max_num_seqs={num_seqs}",
-                                           "scheduler.max_num_batched_tokens=16384", "job=bench"])
-    engine = LLMEngine(cfg)
+    engine = bench_engine(f"scheduler.max_num_seqs={num_seqs}")
     generator = torch.Generator().manual_seed(0)
     for i in range(num_seqs):
         length = int(torch.randint(lo, hi + 1, (1,), generator=generator))
@@ -45,7 +50,8 @@ def main(num_seqs: int, context: str, host: bool, steps: int = 50, temperature: 
         engine.step()
     for _ in range(5):
         engine.step()
-    kv_floor = engine.block_manager.stored_tokens() * KV_BYTES_PER_TOKEN / COPY_BYTES_PER_S
+    bytes_per_token = engine.kv_cache.bytes / (engine.num_blocks * engine.block_size)
+    kv_floor = engine.block_manager.stored_tokens() * bytes_per_token / COPY_BYTES_PER_S
     wall = timed_steps(engine, steps)
     busy, by_kernel = kernel_seconds(engine, steps)
     print(f"decode batch {num_seqs}, context {context}: {wall / steps * 1e3:.2f} ms/step wall, "
@@ -111,7 +117,6 @@ def timed(obj, name: str, totals: dict, key: str) -> None:
 
 
 if __name__ == "__main__":
-    register_configs()
     args = sys.argv[1:]
     for spec in [a for a in args if a != "--host"] or ["256:1024"]:
         seqs, _, ctx = spec.partition(":")

@@ -12,19 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import register_configs  # noqa: E402
-from engine.engine import LLMEngine  # noqa: E402
+from benchmarks.profile_decode import bench_engine  # noqa: E402
 from jobs.bench import workload  # noqa: E402
 from jobs.generate import default_sampling  # noqa: E402
 
-register_configs()
-with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-    cfg = compose("config", overrides=["model=qwen3-0.6b", "scheduler.max_num_seqs=256",
-                                       "scheduler.max_num_batched_tokens=16384", "job=bench", "job.workload=nano"])
-engine = LLMEngine(cfg)
+engine = bench_engine("job.workload=nano")
+cfg = engine.cfg
 with torch.inference_mode():
     for round_ in range(3):
         for i, (p, s) in enumerate(workload(cfg.job, default_sampling(cfg), engine.model.arch.vocab_size)):
