@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
-# The GPU engine's checks and benchmarks in one device call (issue 4; the H200 sweep of issue 5).
+# The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
-# Sections: tests nano profile baseline sweep (default: all). Logs go to $OUT (or ./gpu_logs).
-# TESTS_K: a pytest -k filter for the tests section; PROFILE: profile_decode.py's SEQS:CONTEXT list.
+# Sections: tests nano long topp shared profile baseline sweep (default: tests nano long topp shared profile).
+# Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
+# TESTS_K: a pytest -k filter for the tests section (default: the whole suite); PROFILE: profile_decode.py's
+# SEQS:CONTEXT list; BENCH_ARGS: extra overrides for every bench run.
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
-sections=${*:-tests nano profile baseline sweep}
+sections=${*:-tests nano long topp shared profile}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 want() { [[ " $sections " == *" $1 "* ]]; }
 show() { python3 -c "import pyarrow.parquet as pq, sys; r = pq.read_table(sys.argv[1]).to_pylist()[0]; print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})" "$1"; }
-bench() { name=$1; shift; python3 -m engine.run job=bench model=qwen3-0.6b scheduler.max_num_seqs=256 \
-  scheduler.max_num_batched_tokens=16384 hydra.run.dir=$runs/$name "$@" 2>&1 | grep -v '^\s*$' | tail -4 | tee -a "$out/bench.log"
+bench() { name=$1; shift; echo "== $name $*" | tee -a "$out/bench.log"; python3 -m engine.run job=bench model=qwen3-0.6b \
+  hydra.run.dir=$runs/$name ${BENCH_ARGS:-} "$@" 2>&1 | grep -v '^\s*$' | tail -4 | tee -a "$out/bench.log"
   show $runs/$name/summary.parquet | tee -a "$out/bench.log"; }
 steps() { python3 - "$1" <<'PY' | tee -a "$out/bench.log"
 import sys, pyarrow.parquet as pq
 from pathlib import Path
 rows = pq.read_table(sys.argv[1]).to_pylist()
 summary = pq.read_table(Path(sys.argv[1]).with_name("summary.parquet")).to_pylist()[0]
-for phase in ("prefill", "decode"):
+for phase in ("prefill", "mixed", "decode"):
     sel = [r for r in rows if r["phase"] == phase]
     print(f"{phase}: {len(sel)} steps, {sum(r['step_time_s'] for r in sel):.3f} s, {sum(r['tokens'] for r in sel)} tokens")
 print("slowest steps:", [(r["step"], r["phase"], r["seqs"], round(r["step_time_s"] * 1e3, 1)) for r in sorted(rows, key=lambda r: -r["step_time_s"])[:8]])
 # decode time by batch size, against reading each step's K/V once at the H200's copy speed
-kv_s = lambda r: r["stored_tokens"] * summary["kv_budget_bytes"] / summary["kv_slots"] / 4.26e12
+kv_s = lambda r: r["logical_tokens"] * summary["kv_budget_bytes"] / summary["kv_slots"] / 4.26e12
 edges = [1, 9, 17, 33, 65, 129, 193, 257]
 print("seqs      steps  time_s  kv_floor_s  ms/step  excess_ms/step")
 for lo, hi in zip(edges, edges[1:]):
@@ -33,15 +35,18 @@ for lo, hi in zip(edges, edges[1:]):
 PY
 }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
-want tests && python3 -m pytest -x -q tests/test_fused.py tests/test_oracle.py tests/test_scheduler.py tests/test_sampler.py tests/test_ops.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -15 | tee "$out/tests.log"
+want tests && python3 -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -25 | tee "$out/tests.log"
 want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp $runs/nano/steps.parquet "$out/nano_steps.parquet"; }
+want long && { bench long job.workload=long; steps $runs/long/steps.parquet; }
+want topp && { bench long_topp job.workload=long sampling.top_p=0.95 sampling.top_k=20; steps $runs/long_topp/steps.parquet; }
+want shared && { bench shared job.workload=shared_prefix; steps $runs/shared/steps.parquet; }
 want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"
 if want baseline; then
   bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
   bench greedy_match job.num_prompts=64 job.input_len=[100,1024] job.output_len=[32,32] job.baseline=hf sampling.temperature=0
 fi
 if want sweep; then
-  python3 -m engine.run -m job=bench model=qwen3-0.6b scheduler.max_num_seqs=256 scheduler.max_num_batched_tokens=16384 cache.block_size=8,16,32,64,128 \
+  python3 -m engine.run -m job=bench model=qwen3-0.6b cache.block_size=8,16,32,64,128 \
     cache.kv_budget_gb=8 job.num_prompts=256 'job.input_len=[100,1024]' 'job.output_len=[100,512]' \
     hydra.sweep.dir=$runs/sweep 2>&1 | grep -E "INFO|rror" | tee -a "$out/sweep.log"
   python3 -m engine.run job=analyze job.root=$runs/sweep 2>&1 | tail -12 | tee -a "$out/sweep.log"

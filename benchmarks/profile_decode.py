@@ -51,7 +51,7 @@ def main(num_seqs: int, context: str, host: bool, steps: int = 50, temperature: 
     for _ in range(5):
         engine.step()
     bytes_per_token = engine.kv_cache.bytes / (engine.num_blocks * engine.block_size)
-    kv_floor = engine.block_manager.stored_tokens() * bytes_per_token / COPY_BYTES_PER_S
+    kv_floor = engine.block_manager.logical_tokens() * bytes_per_token / COPY_BYTES_PER_S
     wall = timed_steps(engine, steps)
     busy, by_kernel = kernel_seconds(engine, steps)
     print(f"decode batch {num_seqs}, context {context}: {wall / steps * 1e3:.2f} ms/step wall, "

@@ -48,12 +48,13 @@ class CacheConfig:
     kv_budget_gb: Optional[float] = None  # KV memory for the pool, to compare block sizes at equal memory
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights, activations and KV
     check_invariants: bool = False  # debug: check the block manager's invariants after every step
+    enable_prefix_caching: bool = True  # reuse the K/V of full blocks that earlier sequences computed
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: Optional[int] = None  # sequences running at once; None: the device's default (engine.py)
+    max_num_batched_tokens: Optional[int] = None  # tokens per step; None: the device's default
 
 
 @dataclass
@@ -161,8 +162,9 @@ def validate(cfg) -> None:
     _check(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)
     _check(c.kv_budget_gb is None or c.kv_budget_gb > 0, "cache.kv_budget_gb", "must be > 0", c.kv_budget_gb)
     _check(0 < c.gpu_memory_utilization <= 1, "cache.gpu_memory_utilization", "must be in (0, 1]", c.gpu_memory_utilization)
-    _check(s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
-    _check(s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens", "must be >= 1", s.max_num_batched_tokens)
+    _check(s.max_num_seqs is None or s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
+    _check(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
+           "must be >= 1", s.max_num_batched_tokens)
     _check(p.temperature >= 0, "sampling.temperature", "must be >= 0", p.temperature)
     _check(0 < p.top_p <= 1, "sampling.top_p", "must be in (0, 1]", p.top_p)
     _check(p.max_tokens >= 1, "sampling.max_tokens", "must be >= 1", p.max_tokens)

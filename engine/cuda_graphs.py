@@ -7,7 +7,7 @@ depends on the batch's current lengths.
 """
 import torch
 
-from engine.models.qwen3 import AttentionMetadata
+from engine.attention import AttentionMetadata
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -37,10 +37,8 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(
-            is_prefill=False, slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size], cu_seqlens_q=None, max_seqlen_q=1,
-        )
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+                                 seq_lens=self.seq_lens[:size], cu_seqlens_q=None, num_decode_seqs=size)
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
 
     def fits(self, batch_size: int) -> bool:

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.block_manager import KVBlockManager, blocks_needed
+from engine.block_manager import KVBlockManager, blocks_needed, hash_block
 from engine.config import ConfigError
 from engine.kv_cache import PagedKVCache, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
@@ -17,6 +17,9 @@ from engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# (max_num_seqs, max_num_batched_tokens) when the config leaves them unset: on CUDA what measured best on
+# an H200 (benchmarks/NOTES.md); on the CPU small batches, where a step's cost grows with its tokens.
+SCHEDULER_DEFAULTS = {"cuda": (256, 16384), "cpu": (64, 2048)}
 
 
 class RequestError(ValueError):
@@ -39,6 +42,16 @@ def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
     return device, DTYPES[name]
 
 
+def scheduler_limits(scheduler_cfg, device: torch.device) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens): the config's, or the device's defaults where unset."""
+    defaults = SCHEDULER_DEFAULTS[device.type]
+    chosen = (scheduler_cfg.max_num_seqs or defaults[0], scheduler_cfg.max_num_batched_tokens or defaults[1])
+    log.info("scheduler: max_num_seqs %d%s, max_num_batched_tokens %d%s", chosen[0],
+             "" if scheduler_cfg.max_num_seqs else f" ({device.type} default)", chosen[1],
+             "" if scheduler_cfg.max_num_batched_tokens else f" ({device.type} default)")
+    return chosen
+
+
 class LLMEngine:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -47,20 +60,22 @@ class LLMEngine:
         self.model, self.eos_token_ids = build_model(cfg.model, self.device, self.dtype)
         self.tokenizer = load_tokenizer(cfg.model)
         self.block_size = cfg.cache.block_size
+        self.prefix_caching = cfg.cache.enable_prefix_caching
+        max_num_seqs, max_num_batched_tokens = scheduler_limits(cfg.scheduler, self.device)
         max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         free_bytes = None
         if self.device.type == "cuda" and cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None:
             free_bytes = kv_bytes_left(self.model, self.device, cfg.cache.gpu_memory_utilization,
-                                       cfg.scheduler.max_num_batched_tokens, cfg.scheduler.max_num_seqs)
-        num_blocks = num_blocks_for(cfg.cache, self.model.arch, self.dtype, free_bytes,
-                                    max_blocks_per_seq * cfg.scheduler.max_num_seqs)
-        self.kv_cache = PagedKVCache(self.model.arch, num_blocks, self.block_size, self.dtype, self.device)
+                                       max_num_batched_tokens, max_num_seqs)
+        num_blocks = num_blocks_for(cfg.cache, self.model.kv_cache_spec, self.dtype, free_bytes,
+                                    max_blocks_per_seq * max_num_seqs)
+        self.kv_cache = PagedKVCache(self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GB; %.1f sequences of max_model_len %d at once",
                  num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.bytes / 1e9,
                  num_blocks / max_blocks_per_seq, self.max_model_len)
-        self.block_manager = KVBlockManager(num_blocks, self.block_size)
-        self.scheduler = Scheduler(self.block_manager, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens)
-        graph_batch = 0 if cfg.model.enforce_eager else cfg.scheduler.max_num_seqs
+        self.block_manager = KVBlockManager(num_blocks, self.block_size, self.prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
@@ -74,13 +89,16 @@ class LLMEngine:
         tokens). Whatever is paid the first time a shape occurs (kernel compilation, cuBLAS's choice of
         kernel for a new matmul shape, a CUDA graph's first replay, pinned buffers of a new size) is
         paid here: inside a run it stalled the host long enough for the GPU to idle (NOTES, version 7)."""
-        num_seqs = self.cfg.scheduler.max_num_seqs
+        num_seqs = self.scheduler.max_num_seqs
         room = min(self.max_model_len, self.num_blocks * self.block_size // num_seqs)  # tokens per request
-        prompt = max(1, min(self.cfg.scheduler.max_num_batched_tokens // num_seqs, room // 2))
-        for i in range(num_seqs):
+        prompt = max(1, min(self.scheduler.max_num_batched_tokens // num_seqs, room // 2))
+        vocab = self.model.arch.vocab_size
+        for i in range(num_seqs):  # distinct prompts: prefix-cache hits would shrink the prefill step
             tokens = max(1, min(i + 1, room - prompt))
-            self.add_request(f"warm-up-{i}", [0] * prompt, SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True))
+            self.add_request(f"warm-up-{i}", [i % vocab] * prompt,
+                             SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True))
         list(self.run())
+        self.block_manager.reset_prefix_cache()
         self.stats = StatsRecorder()  # the warm-up is not part of the run
 
     @property
@@ -94,8 +112,17 @@ class LLMEngine:
             raise RequestError(f"token ids must be in [0, {self.model.arch.vocab_size})")
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
         seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling, max_num_tokens)
+        self._hash_known_blocks(seq)
         self.scheduler.add(seq)
         return seq
+
+    def _hash_known_blocks(self, seq: Sequence) -> None:
+        """Extend seq.block_hashes over the full blocks whose tokens are all known (prefix caching)."""
+        if not self.prefix_caching:
+            return
+        hashes, size = seq.block_hashes, self.block_size
+        for start in range(len(hashes) * size, seq.num_known_tokens - size + 1, size):
+            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_slice(start, start + size)))
 
     def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
         if prompt_len == 0:
@@ -149,7 +176,16 @@ class LLMEngine:
                 del seq.output_token_ids[index + 1:]  # a token drawn after the stop, still in flight
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
+            elif self.prefix_caching and (len(seq.prompt_token_ids) + index + 1) % self.block_size == 0:
+                self._register_block_of_outputs(seq)
         return finished
+
+    def _register_block_of_outputs(self, seq: Sequence) -> None:
+        """A block of known tokens completed by outputs: hash it, and offer it to the cache if the
+        sequence still holds it (a preempted one rehashes nothing until it is admitted again)."""
+        self._hash_known_blocks(seq)
+        if seq.status is Status.RUNNING:
+            self.block_manager.register_full_blocks(seq.seq_id, seq.block_hashes)
 
     def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
         p = seq.sampling

@@ -1,19 +1,20 @@
 """One engine step on the data plane: per-step tensors from a ScheduledBatch, the model call, sampling.
 
 Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
-on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode
-steps replay CUDA graphs (engine/cuda_graphs.py); prefill steps, and decode batches above the largest
-graph, run eagerly. Only the last position of each sequence gets logits.
+on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode-only
+steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode batches above the
+largest graph, run eagerly. Only the last position of each sequence that draws a token gets logits.
 """
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.block_manager import KVBlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
-from engine.models.qwen3 import AttentionMetadata, Qwen3ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.sampler import SamplingTensors, sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -33,48 +34,48 @@ class ModelRunner:
         return tensor.pin_memory().to(self.device, non_blocking=True) if self.pin else tensor
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids [T], positions [T], attention metadata, and the row of each sequence's last token."""
+        """input_ids [T], positions [T], attention metadata, and the rows whose logits are sampled (the
+        last row of each sequence that draws)."""
         starts = np.array([s.num_computed_tokens for s in batch.seqs], dtype=np.int64)
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, counts)
-        if batch.is_prefill:
-            input_ids = np.concatenate([s.token_slice(a, a + n) for s, a, n in zip(batch.seqs, starts.tolist(), counts.tolist())])
-        else:
-            input_ids = np.array([s.last_token for s in batch.seqs], dtype=np.int64)
+        n = batch.num_decode_seqs
+        input_ids = np.concatenate([np.array([s.last_token for s in batch.seqs[:n]], dtype=np.int64)] + [
+            s.token_slice(a, a + c) for s, a, c in zip(batch.seqs[n:], starts[n:].tolist(), counts[n:].tolist())])
         block_tables = self.block_manager.get_block_table_tensor([s.seq_id for s in batch.seqs]).numpy()
         meta = AttentionMetadata(
-            is_prefill=batch.is_prefill,
             slot_mapping=self._to_device(batch.slot_mapping),
             block_tables=self._to_device(block_tables),
             seq_lens=self._to_device((starts + counts).astype(np.int32)),
-            cu_seqlens_q=self._to_device(cu_seqlens),
+            cu_seqlens_q=self._to_device(cu_seqlens[n:] - n) if n < len(batch.seqs) else None,
+            num_decode_seqs=n,
             max_seqlen_q=int(counts.max()),
         )
-        last_rows = self._to_device(cu_seqlens[1:].astype(np.int64) - 1)
-        return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, last_rows
+        sampled_rows = self._to_device(cu_seqlens[1:][np.array(batch.draws, dtype=bool)].astype(np.int64) - 1)
+        return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, sampled_rows
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        if not meta.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
+        if meta.decode_only and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: "InFlight | None") -> "InFlight":
-        """Enqueue the batch's forward and sampling without waiting for the device. Tokens that are
-        still placeholders on the host come from the previous step's device output."""
-        input_ids, positions, meta, last_rows = self.prepare(batch)
+    def launch(self, batch: ScheduledBatch, previous: "InFlight | None") -> "InFlight | None":
+        """Enqueue the batch's forward and sampling without waiting for the device; None when no sequence
+        draws a token in this step. Tokens that are still placeholders on the host come from the previous
+        step's device output."""
+        input_ids, positions, meta, sampled_rows = self.prepare(batch)
         if previous is not None:
             self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
-        logits = self.model.compute_logits(hidden[last_rows])
-        params = SamplingTensors.build(
-            [s.sampling for s in batch.seqs], [len(s.output_token_ids) for s in batch.seqs],
-            self.model.arch.vocab_size, self.device,
-        )
-        tokens = sample(logits, params)
-        drew = [i for i, draws in enumerate(batch.draws) if draws]
-        return InFlight.start(tokens, [batch.seqs[i] for i in drew], drew)
+        drawing = [s for s, draws in zip(batch.seqs, batch.draws) if draws]
+        if not drawing:  # only prefill chunks that end before their prompt does
+            return None
+        logits = self.model.compute_logits(hidden[sampled_rows])
+        params = SamplingTensors.build([s.sampling for s in drawing], [len(s.output_token_ids) for s in drawing],
+                                       self.model.arch.vocab_size, self.device)
+        return InFlight.start(sample(logits, params), drawing, list(range(len(drawing))))
 
     def _fill_placeholders(self, batch: ScheduledBatch, input_ids: torch.Tensor, previous: "InFlight") -> None:
         ends = np.cumsum(batch.num_new_tokens) - 1
@@ -121,20 +122,19 @@ class InFlight:
 def kv_bytes_left(model: Qwen3ForCausalLM, device, utilization: float, max_tokens: int, max_seqs: int) -> int:
     """Device memory left for KV blocks: utilization * total, minus the peak of a warm-up step at the
     largest token budget (weights, activations, logits of max_seqs rows)."""
-    arch = model.arch
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     num_seqs = min(max_seqs, max_tokens)
     counts = np.full(num_seqs, max_tokens // num_seqs)
     counts[: max_tokens % num_seqs] += 1
-    warm_cache = PagedKVCache(arch, max_tokens, 1, model.lm_head.weight.dtype, device)  # block size 1: slot = block
+    warm_cache = PagedKVCache(model.kv_cache_spec, max_tokens, 1, model.lm_head.weight.dtype, device)  # slot = block
     cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     slots = torch.arange(max_tokens, dtype=torch.int32, device=device)
     tables = torch.full((num_seqs, int(counts.max())), -1, dtype=torch.int32, device=device)
     for b, (start, n) in enumerate(zip(cu_seqlens[:-1].tolist(), counts.tolist())):
         tables[b, :n] = slots[start:start + n]
-    meta = AttentionMetadata(True, slots, tables, torch.from_numpy(counts.astype(np.int32)).to(device),
-                             torch.from_numpy(cu_seqlens).to(device), int(counts.max()))
+    meta = AttentionMetadata(slots, tables, torch.from_numpy(counts.astype(np.int32)).to(device),
+                             torch.from_numpy(cu_seqlens).to(device), num_decode_seqs=0, max_seqlen_q=int(counts.max()))
     input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
     positions = torch.from_numpy(np.arange(max_tokens) - np.repeat(cu_seqlens[:-1], counts)).to(device)
     hidden = model(input_ids, positions, warm_cache, meta)

@@ -1,29 +1,38 @@
-"""Admission, batching and preemption over the block manager.
+"""One scheduling loop for prefill and decode, over the block manager.
 
-Every step is either a prefill step (chunks of prompts, under the token budget) or a decode step
-(one token for each running sequence). Admission is first come, first served: a waiting sequence is
-admitted when its whole prompt fits in the free blocks, the step's token budget has room for (a
-chunk of) it and fewer than max_num_seqs sequences run. A finished sequence frees its blocks at
-once. When a decoding sequence needs a block and none is free, the newest running sequence is
-preempted by recompute: its blocks are freed and it waits, first in line, to be prefilled again from
-its prompt and the outputs it already has.
+Each step spends a token budget (max_num_batched_tokens): one token for every running sequence that
+decodes, then chunks of the sequences still being prefilled (continuing chunks first, in admission
+order), then new admissions, first come first served. So no step runs prefill alone while admitted
+sequences wait to decode, unless the budget is full of decodes. A batch lists its decode rows first
+(engine/attention.py routes them to the decode kernel) and its prefill chunks after.
+
+Admission: a waiting sequence takes the longest run of its full blocks that the prefix cache holds
+(never its last token, whose logits are needed), and is admitted when the rest of it fits in the free
+blocks (cached blocks count as free), the budget has room for (a chunk of) it and fewer than
+max_num_seqs sequences run. When a decoding sequence needs a block and none is free, the newest running
+sequence is preempted by recompute: its blocks are released (those holding a hash stay cached, so the
+recompute usually hits them) and it waits, first in line, to be prefilled again from its prompt and the
+outputs it already has. A step that preempted admits nothing, so a victim is not re-admitted at once.
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.block_manager import KVBlockManager, blocks_needed
+from engine.block_manager import KVBlockManager
 from engine.sequence import Sequence, Status
 
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # decode rows first, then prefill chunks
     num_new_tokens: list[int]  # tokens each sequence computes in this step
     slot_mapping: np.ndarray  # int32 [sum(num_new_tokens)]
-    is_prefill: bool
+    num_decode_seqs: int  # the leading sequences that decode (one token each)
     num_preempted: int = 0
+    prefix_cache_hit_tokens: int = 0  # tokens the admissions of this step found in the prefix cache
+    admitted_tokens: int = 0  # tokens (prompt + earlier outputs) of the sequences admitted in this step
+    draws: list[bool] = field(init=False)
 
     def __post_init__(self):
         # which sequences draw a token in this step: their chunk reaches their last token
@@ -32,6 +41,16 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_seqs
+
+    @property
+    def phase(self) -> str:
+        if self.num_decode_seqs == len(self.seqs):
+            return "decode"
+        return "prefill" if self.num_decode_seqs == 0 else "mixed"
 
 
 class Scheduler:
@@ -53,48 +72,37 @@ class Scheduler:
         """The next step's batch; empty when nothing can run until in-flight tokens are resolved."""
         preemptions_before = self.num_preemptions
         while True:
-            batch = self._schedule_prefill()
-            if not batch.seqs:
-                batch = self._schedule_decode()
+            batch = self._schedule_step(preemptions_before)
             stalled = [s for s in self.running if s.num_uncomputed_tokens > 1]
             if batch.seqs or not stalled:
-                batch.num_preempted = self.num_preemptions - preemptions_before
                 return batch
             self._preempt(self._victim())  # only stalled prefill chunks are left: free the newest
+
+    def _schedule_step(self, preemptions_before: int) -> ScheduledBatch:
+        seqs, counts, slots = self._schedule_decodes()
+        num_decodes = len(seqs)
+        budget = self.max_num_batched_tokens - num_decodes
+        budget = self._schedule_chunks(budget, seqs, counts, slots)
+        hits = admitted = 0
+        if self.num_preemptions == preemptions_before:
+            hits, admitted = self._admit(budget, seqs, counts, slots)
+        return ScheduledBatch(seqs, counts, _concat(slots), num_decodes, self.num_preemptions - preemptions_before,
+                              hits, admitted)
 
     def _victim(self) -> Sequence:
         """The newest running sequence that still draws tokens (a capped one frees its blocks when its
         last token is resolved)."""
         return next(s for s in reversed(self.running) if not s.is_capped)
 
-    def _schedule_prefill(self) -> ScheduledBatch:
-        seqs, counts, slots, budget = [], [], [], self.max_num_batched_tokens
-        manager = self.block_manager
-        for seq in (s for s in self.running if s.num_uncomputed_tokens > 1):
-            n = min(seq.num_uncomputed_tokens, budget)
-            if n == 0 or not manager.can_append(seq.seq_id, n):
-                break
-            seqs.append(seq), counts.append(n), slots.append(manager.append_tokens(seq.seq_id, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if blocks_needed(seq.num_tokens, manager.block_size) > manager.num_free_blocks:
-                break
-            n = min(seq.num_tokens, budget)
-            manager.create_sequence(seq.seq_id)
-            seqs.append(seq), counts.append(n), slots.append(manager.append_tokens(seq.seq_id, n))
-            budget -= n
-            seq.status = Status.RUNNING
-            self.running.append(self.waiting.popleft())
-        return ScheduledBatch(seqs, counts, _concat(slots), is_prefill=True)
-
-    def _schedule_decode(self) -> ScheduledBatch:
+    def _schedule_decodes(self) -> tuple[list[Sequence], list[int], list[np.ndarray]]:
+        """One slot for every running sequence whose next token is its only uncomputed one; preempts the
+        newest running sequences while the pool is short (never one already scheduled: they are older)."""
         manager, scheduled, slots = self.block_manager, [], []
         pending = deque(s for s in self.running if s.num_uncomputed_tokens == 1 and not s.is_capped)
         while pending:
             seq = pending.popleft()
             while not manager.can_append(seq.seq_id, 1):
-                victim = self._victim()  # newest first; never one already scheduled
+                victim = self._victim()
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -103,7 +111,41 @@ class Scheduler:
             else:
                 scheduled.append(seq)
                 slots.append(manager.append_token(seq.seq_id))
-        return ScheduledBatch(scheduled, [1] * len(scheduled), np.array(slots, dtype=np.int32), is_prefill=False)
+        return scheduled, [1] * len(scheduled), [np.array(slots, dtype=np.int32)]
+
+    def _schedule_chunks(self, budget: int, seqs: list, counts: list, slots: list) -> int:
+        """Continuing prefill chunks, in admission order, while the budget and the pool allow."""
+        manager = self.block_manager
+        for seq in (s for s in self.running if s.num_uncomputed_tokens > 1):
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n == 0 or not manager.can_append(seq.seq_id, n):
+                break
+            self._add_chunk(seq, n, seqs, counts, slots)
+            budget -= n
+        return budget
+
+    def _admit(self, budget: int, seqs: list, counts: list, slots: list) -> tuple[int, int]:
+        """New admissions, first come first served; returns (prefix-cache hit tokens, admitted tokens)."""
+        manager, hits, admitted = self.block_manager, 0, 0
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = manager.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // manager.block_size])
+            if not manager.can_admit(seq.num_tokens, prefix):
+                break
+            manager.create_sequence(seq.seq_id, prefix)
+            seq.num_computed_tokens = len(prefix) * manager.block_size
+            hits += seq.num_computed_tokens
+            admitted += seq.num_tokens
+            seq.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+            n = min(seq.num_uncomputed_tokens, budget)
+            self._add_chunk(seq, n, seqs, counts, slots)
+            budget -= n
+        return hits, admitted
+
+    def _add_chunk(self, seq: Sequence, n: int, seqs: list, counts: list, slots: list) -> None:
+        seqs.append(seq), counts.append(n), slots.append(self.block_manager.append_tokens(seq.seq_id, n))
+        self.block_manager.register_full_blocks(seq.seq_id, seq.block_hashes)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -44,6 +44,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its known full blocks
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +62,11 @@ class Sequence:
     @property
     def has_placeholder(self) -> bool:
         return bool(self.output_token_ids) and self.output_token_ids[-1] == PLACEHOLDER
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (all but a trailing placeholder)."""
+        return self.num_tokens - self.has_placeholder
 
     @property
     def last_token(self) -> int:

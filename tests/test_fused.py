@@ -265,8 +265,9 @@ def test_gumbel_sample_of_all_minus_inf_rows_is_zero():
 # --- the model with the Triton backend -----------------------------------------------------
 def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
     """The tiny Qwen3 forward (prefill) with the fused ops on Triton vs on torch (float32)."""
+    from engine.attention import AttentionMetadata
     from engine.kv_cache import PagedKVCache
-    from engine.models.qwen3 import AttentionMetadata, Qwen3Arch, Qwen3ForCausalLM
+    from engine.models.qwen3 import Qwen3Arch, Qwen3ForCausalLM
     from ops import fused
 
     arch = Qwen3Arch(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
@@ -283,14 +284,14 @@ def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
     block_tables = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10], dtype=torch.int32, device=DEVICE)
-    meta = AttentionMetadata(is_prefill=True, slot_mapping=slots, block_tables=block_tables,
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
                              seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
                              cu_seqlens_q=torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE),
-                             max_seqlen_q=5)
+                             num_decode_seqs=0, max_seqlen_q=5)
     outs = {}
     for backend in BACKENDS:
         monkeypatch.setattr(ops, "_pick_fused", lambda _, __, b=backend: fused if b == "triton" else ops.fused_reference)
-        cache = PagedKVCache(arch, 4, block_size, torch.float32, torch.device(DEVICE))
+        cache = PagedKVCache(model.kv_cache_spec, 4, block_size, torch.float32, torch.device(DEVICE))
         with torch.no_grad():
             outs[backend] = model(input_ids, positions, cache, meta)
     check(outs["triton"], outs["torch"], torch.float32, gen, "hidden states")

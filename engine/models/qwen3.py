@@ -1,8 +1,8 @@
 """Qwen3 (QK-norm, RoPE, GQA, SwiGLU, optionally tied embeddings) over the paged KV cache.
 
 Tensors are flat over the tokens of a step: hidden [T, hidden_size], q [T, Hq, D], k/v [T, Hkv, D].
-Attention writes K/V through slot_mapping and reads them through block_tables and seq_lens, only
-through ops/. Parameter names follow Hugging Face's, except that q/k/v_proj are fused into
+The cache and the step's layout belong to engine/attention.py: this file computes q, k and v and hands
+them to PagedAttention. Parameter names follow Hugging Face's, except that q/k/v_proj are fused into
 qkv_proj and gate/up_proj into gate_up_proj (see engine/models/loader.py).
 """
 from dataclasses import dataclass
@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 import ops
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.kv_cache import KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -26,18 +28,6 @@ class Qwen3Arch:
     rms_norm_eps: float
     tie_word_embeddings: bool
     attention_bias: bool = False
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step addressing shared by every layer (int32 tensors on the model's device)."""
-
-    is_prefill: bool
-    slot_mapping: torch.Tensor  # [T]
-    block_tables: torch.Tensor  # [B, M], -1 padded
-    seq_lens: torch.Tensor  # [B] tokens stored after this step's writes
-    cu_seqlens_q: torch.Tensor  # [B + 1]
-    max_seqlen_q: int
 
 
 class RMSNorm(nn.Module):
@@ -72,7 +62,7 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
@@ -85,15 +75,8 @@ class Qwen3Attention(nn.Module):
             q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rotary.cos, rotary.sin, positions,
         )
-        ops.write_kv_cache(k, v.reshape(-1, self.num_kv_heads, self.head_dim), key_cache, value_cache, meta.slot_mapping)
-        if meta.is_prefill:
-            out = ops.paged_attention_prefill(
-                q, key_cache, value_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, self.scale,
-                max_seqlen_q=meta.max_seqlen_q,
-            )
-        else:
-            out = ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, key_cache, value_cache, meta))
 
 
 class Qwen3MLP(nn.Module):
@@ -149,6 +132,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.kv_cache_spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
 
     def forward(self, input_ids, positions, kv_cache, meta):
         """Final hidden states [T, hidden_size]; compute_logits takes the rows that need logits."""
