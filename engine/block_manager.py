@@ -1,21 +1,40 @@
-"""The CPU metadata plane: a pool of fixed-size KV blocks and the block table of every live sequence.
+"""The CPU metadata plane: a pool of fixed-size KV blocks, the block table of every live sequence and
+the prefix cache that lets sequences share the blocks of a common prompt prefix.
 
 Address map (DESIGN.md): for token position p of a sequence with block table T and block size B,
     slot = T[p // B] * B + p % B.
+Worked example: B = 4, T = [5, 2, 9, 1]; position 6 is in logical block 1 at offset 2, physical
+block 2, so slot 2 * 4 + 2 = 10.
+
+Prefix caching: a full block is named by hash_block(parent block's hash, its token ids), a 128-bit
+blake2b chained over the sequence, so equal hashes mean equal whole prefixes. cached_block_of maps a
+hash to the one block holding it. A block's reference count is the number of live block tables that
+hold it; a block released to ref 0 keeps its hash (cached, evictable) and is reused by the next
+sequence whose prompt hits it. Allocation takes free blocks first and evicts the least recently used
+cached block only when none are left.
 
 Invariants (checked by invariants_ok):
-  * allocated = union of all live block tables; allocated and free are disjoint;
-    |allocated| + |free| = num_physical_blocks; no block appears twice.
-  * len(block_table) == ceil(sequence_length / block_size) for every live sequence.
-  * once every sequence is released, every block is free again.
+  * the pool is partitioned: free (ref 0, no hash) + cached (ref 0, a hash, in LRU order)
+    + referenced (ref > 0) = range(num_physical_blocks), each block in exactly one part.
+  * ref_counts[b] == the number of live block tables holding b; no table holds a block twice.
+  * cached_block_of maps each hash to a block holding exactly that hash, and every block holding a
+    hash is in it (so no two blocks hold the same hash).
+  * len(block_table) == ceil(sequence_length / block_size) for every live sequence; only its first
+    num_hashed_blocks blocks, all full, can hold a hash (prefix blocks and registered full blocks).
+  * a block held by two tables holds a hash: only full blocks are shared, so every partial block is
+    one sequence's own last block.
+  * once every sequence is released, no block is referenced: each is free or cached.
 Every public method either completes or raises before changing anything, so the pool is never
 left half-updated.
 """
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+HASH_BYTES = 16  # 128 bits: two different prefixes do not share KV by collision
 
 
 class BlockManagerError(Exception):
@@ -23,7 +42,7 @@ class BlockManagerError(Exception):
 
 
 class OutOfBlocksError(BlockManagerError):
-    """Not enough free blocks for the request; nothing was changed."""
+    """Not enough free or evictable blocks for the request; nothing was changed."""
 
 
 class UnknownSequenceError(BlockManagerError, KeyError):
@@ -43,32 +62,65 @@ def internal_waste(sequence_length: int, block_size: int) -> int:
     return -sequence_length % block_size
 
 
+def hash_block(parent: bytes | None, token_ids) -> bytes:
+    """128-bit blake2b of the parent block's hash (b"" for a sequence's first block) then the
+    block's token ids as little-endian int64."""
+    digest = hashlib.blake2b(parent or b"", digest_size=HASH_BYTES)
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return digest.digest()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids, block_size: int) -> list[bytes]:
+    """Append to hashes (in place; also returned) the chained hashes of the full blocks of token_ids
+    not hashed yet: blocks len(hashes) .. len(token_ids) // block_size - 1. token_ids must hold only
+    known tokens (prompt and resolved outputs)."""
+    tokens = np.asarray(token_ids, dtype="<i8")
+    for i in range(len(hashes), len(tokens) // block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * block_size : (i + 1) * block_size]))
+    return hashes
+
+
 @dataclass
 class SequenceState:
-    """Block-level state of one live sequence: its length in stored tokens and its block table."""
+    """Block-level state of one live sequence: its length in stored tokens, its block table, and how
+    many leading blocks of the table have been through the prefix cache (taken from it at creation
+    or offered to it by register_full_blocks)."""
 
     sequence_id: int
     sequence_length: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
 
 
 class KVBlockManager:
-    def __init__(self, num_physical_blocks: int, block_size: int):
+    def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_physical_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_physical_blocks >= 1 and block_size >= 1, got {num_physical_blocks}, {block_size}")
         self.num_physical_blocks = num_physical_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_physical_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_blocks: deque[int] = deque(range(num_physical_blocks))  # ref 0, no hash
+        self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash; least recently used first
+        self.ref_counts: list[int] = [0] * num_physical_blocks
+        self.block_hash: list[bytes | None] = [None] * num_physical_blocks
+        self.cached_block_of: dict[bytes, int] = {}
         self.sequences: dict[int, SequenceState] = {}
 
     # -- queries ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can take: free ones and evictable cached ones."""
+        return len(self.free_blocks) + len(self.cached_blocks)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Evictable cached blocks: ref 0, holding a hash."""
+        return len(self.cached_blocks)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_physical_blocks - len(self.free_blocks)
+        """Blocks held by at least one live block table, each counted once."""
+        return self.num_physical_blocks - self.num_free_blocks
 
     def state(self, sequence_id: int) -> SequenceState:
         try:
@@ -76,15 +128,40 @@ class KVBlockManager:
         except KeyError:
             raise UnknownSequenceError(f"sequence {sequence_id} is not live") from None
 
+    def match_prefix(self, hashes: list[bytes]) -> list[int]:
+        """Physical blocks of the longest leading run of hashes in the cache index (read-only)."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for block_hash in hashes:
+            block = self.cached_block_of.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def can_admit(self, num_tokens: int, prefix_blocks) -> bool:
+        """Whether a new sequence of num_tokens tokens starting with prefix_blocks would fit."""
+        taken_from_cache = sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
+        new_blocks = blocks_needed(num_tokens, self.block_size) - len(prefix_blocks)
+        return new_blocks <= self.num_free_blocks - taken_from_cache
+
     def new_blocks_for(self, sequence_id: int, num_tokens: int) -> int:
         """Blocks that appending num_tokens to this sequence would take from the pool."""
         state = self.state(sequence_id)
         return blocks_needed(state.sequence_length + num_tokens, self.block_size) - len(state.block_table)
 
     def can_append(self, sequence_id: int, num_tokens: int) -> bool:
-        return self.new_blocks_for(sequence_id, num_tokens) <= len(self.free_blocks)
+        return self.new_blocks_for(sequence_id, num_tokens) <= self.num_free_blocks
 
     def stored_tokens(self) -> int:
+        """Tokens held in the pool, each physical block counted once. Only full blocks are shared,
+        so every partial block is one sequence's own last block."""
+        return self.num_used_blocks * self.block_size - self.internal_fragmentation_tokens()
+
+    def logical_tokens(self) -> int:
+        """Tokens of all live sequences, shared ones counted per sequence (what a cache without
+        sharing would hold)."""
         return sum(s.sequence_length for s in self.sequences.values())
 
     def internal_fragmentation_tokens(self) -> int:
@@ -92,16 +169,38 @@ class KVBlockManager:
         return sum(internal_waste(s.sequence_length, self.block_size) for s in self.sequences.values())
 
     # -- lifecycle -------------------------------------------------------------------------
-    def create_sequence(self, sequence_id: int) -> SequenceState:
+    def create_sequence(self, sequence_id: int, prefix_blocks=()) -> SequenceState:
+        """A new live sequence whose table starts with prefix_blocks, cached blocks from match_prefix
+        (their KV is already computed: sequence_length starts at len(prefix_blocks) * block_size)."""
         if sequence_id in self.sequences:
             raise DuplicateSequenceError(f"sequence {sequence_id} is already live")
-        state = self.sequences[sequence_id] = SequenceState(sequence_id)
+        prefix_blocks = list(prefix_blocks)
+        if len(set(prefix_blocks)) != len(prefix_blocks):
+            raise ValueError(f"sequence {sequence_id}: prefix_blocks {prefix_blocks} repeat a block")
+        for block in prefix_blocks:
+            if not 0 <= block < self.num_physical_blocks or self.block_hash[block] is None:
+                raise ValueError(f"sequence {sequence_id}: prefix block {block} is not a cached block")
+        for block in prefix_blocks:
+            self.ref_counts[block] += 1
+            self.cached_blocks.pop(block, None)
+        state = self.sequences[sequence_id] = SequenceState(
+            sequence_id, len(prefix_blocks) * self.block_size, prefix_blocks, len(prefix_blocks)
+        )
         return state
 
     def allocate_block(self) -> int:
-        if not self.free_blocks:
-            raise OutOfBlocksError("no free KV block left in the pool")
-        return self.free_blocks.popleft()
+        """A block at ref 1: a free one, else the least recently used cached one (its hash leaves
+        the index)."""
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        elif self.cached_blocks:
+            block, _ = self.cached_blocks.popitem(last=False)
+            del self.cached_block_of[self.block_hash[block]]
+            self.block_hash[block] = None
+        else:
+            raise OutOfBlocksError("no free or cached KV block left in the pool")
+        self.ref_counts[block] = 1
+        return block
 
     def append_token(self, sequence_id: int) -> int:
         """Store one more token for this sequence; returns its slot (the decode path: plain Python)."""
@@ -118,11 +217,13 @@ class KVBlockManager:
         Returns their slots (int32 [num_tokens]). Raises OutOfBlocksError, changing nothing, when
         the pool cannot hold them.
         """
+        if num_tokens < 0:
+            raise ValueError(f"sequence {sequence_id}: num_tokens must be >= 0, got {num_tokens}")
         state = self.state(sequence_id)
         missing = self.new_blocks_for(sequence_id, num_tokens)
-        if missing > len(self.free_blocks):
+        if missing > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"sequence {sequence_id} needs {missing} more blocks, {len(self.free_blocks)} free"
+                f"sequence {sequence_id} needs {missing} more blocks, {self.num_free_blocks} free"
             )
         state.block_table.extend(self.allocate_block() for _ in range(missing))
         positions = np.arange(state.sequence_length, state.sequence_length + num_tokens)
@@ -136,18 +237,56 @@ class KVBlockManager:
         All or nothing: if the batch does not fit, OutOfBlocksError is raised before any change.
         """
         counts = num_tokens if num_tokens is not None else [1] * len(sequence_ids)
+        if len(counts) != len(sequence_ids) or len(set(sequence_ids)) != len(sequence_ids):
+            raise ValueError(f"need distinct sequence_ids and one count each, got {sequence_ids}, {counts}")
+        if any(n < 0 for n in counts):
+            raise ValueError(f"num_tokens must be >= 0, got {counts}")
         needed = sum(self.new_blocks_for(s, n) for s, n in zip(sequence_ids, counts))
-        if needed > len(self.free_blocks):
-            raise OutOfBlocksError(f"the batch needs {needed} more blocks, {len(self.free_blocks)} free")
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(f"the batch needs {needed} more blocks, {self.num_free_blocks} free")
         if not sequence_ids:
             return np.zeros(0, dtype=np.int32)
         return np.concatenate([self.append_tokens(s, n) for s, n in zip(sequence_ids, counts)])
 
-    def release_sequence(self, sequence_id: int) -> None:
-        """Return every block of the sequence to the free list and forget it."""
+    def register_full_blocks(self, sequence_id: int, hashes: list[bytes]) -> None:
+        """Offer this sequence's newly full blocks to the cache; hashes[i] names its logical block i.
+
+        A block whose hash is already indexed (another block holds the same prefix) stays unhashed.
+        A block is full once its slots are allocated, before the device writes them: a later hit
+        reads them in a later step, and steps run in stream order.
+        """
         state = self.state(sequence_id)
-        self.free_blocks.extend(state.block_table)
+        if not self.enable_prefix_caching:
+            return
+        last = min(len(hashes), state.sequence_length // self.block_size)
+        for i in range(state.num_hashed_blocks, last):
+            if hashes[i] not in self.cached_block_of:
+                block = state.block_table[i]
+                self.block_hash[block] = hashes[i]
+                self.cached_block_of[hashes[i]] = block
+        state.num_hashed_blocks = max(state.num_hashed_blocks, last)
+
+    def release_sequence(self, sequence_id: int) -> None:
+        """Drop the sequence's references and forget it (finish or preemption). Visits the table from
+        the tail, so a prompt's tail blocks enter the LRU before its head and are evicted first; a
+        block reaching ref 0 becomes cached if it holds a hash, else free."""
+        state = self.state(sequence_id)
+        for block in reversed(state.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self.free_blocks.append(block)
+                else:
+                    self.cached_blocks[block] = None
         del self.sequences[sequence_id]
+
+    def reset_prefix_cache(self) -> None:
+        """Every cached (evictable) block drops its hash and becomes free."""
+        for block in self.cached_blocks:
+            del self.cached_block_of[self.block_hash[block]]
+            self.block_hash[block] = None
+        self.free_blocks.extend(self.cached_blocks)
+        self.cached_blocks.clear()
 
     # -- tensors for the data plane ----------------------------------------------------------
     def get_block_table_tensor(self, sequence_ids: list[int], width: int | None = None) -> torch.Tensor:
@@ -164,16 +303,44 @@ class KVBlockManager:
 
     # -- checks ------------------------------------------------------------------------------
     def invariants_ok(self) -> bool:
-        allocated = [b for s in self.sequences.values() for b in s.block_table]
-        free = list(self.free_blocks)
+        return self._tables_ok() and self._pool_partition_ok() and self._hash_index_ok()
+
+    def _tables_ok(self) -> bool:
+        """Each table: the right length, no block twice, in range, hashes only in its leading full
+        blocks; ref_counts[b] equals the number of tables holding b."""
+        holders = [0] * self.num_physical_blocks
+        for s in self.sequences.values():
+            table = s.block_table
+            if (
+                len(table) != blocks_needed(s.sequence_length, self.block_size)
+                or len(set(table)) != len(table)
+                or not all(0 <= b < self.num_physical_blocks for b in table)
+                or not 0 <= s.num_hashed_blocks <= s.sequence_length // self.block_size
+                or any(self.block_hash[b] is not None for b in table[s.num_hashed_blocks :])
+            ):
+                return False
+            for b in table:
+                holders[b] += 1
+        return holders == self.ref_counts
+
+    def _pool_partition_ok(self) -> bool:
+        """free + cached + referenced = range(num_physical_blocks), disjoint; free blocks hold no
+        hash, cached and shared ones hold one; with caching off nothing is ever cached."""
+        free, cached = list(self.free_blocks), list(self.cached_blocks)
+        referenced = [b for b, ref in enumerate(self.ref_counts) if ref > 0]
         return (
-            len(allocated) == len(set(allocated))
-            and len(free) == len(set(free))
-            and not set(allocated) & set(free)
-            and len(allocated) + len(free) == self.num_physical_blocks
-            and all(0 <= b < self.num_physical_blocks for b in allocated + free)
-            and all(
-                len(s.block_table) == blocks_needed(s.sequence_length, self.block_size)
-                for s in self.sequences.values()
-            )
+            sorted(free + cached + referenced) == list(range(self.num_physical_blocks))
+            and all(self.block_hash[b] is None for b in free)
+            and all(self.block_hash[b] is not None for b in cached)
+            and all(self.block_hash[b] is not None for b in referenced if self.ref_counts[b] > 1)
+            and (self.enable_prefix_caching or not self.cached_block_of)
+        )
+
+    def _hash_index_ok(self) -> bool:
+        """The index and the blocks' hashes are one bijection."""
+        hashed = {b: h for b, h in enumerate(self.block_hash) if h is not None}
+        return (
+            all(len(h) == HASH_BYTES for h in hashed.values())
+            and len(hashed) == len(self.cached_block_of)
+            and all(hashed.get(b) == h for h, b in self.cached_block_of.items())
         )
