@@ -70,13 +70,13 @@ def hash_block(parent: bytes | None, token_ids) -> bytes:
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids, block_size: int) -> list[bytes]:
-    """Append to hashes (in place; also returned) the chained hashes of the full blocks of token_ids
-    not hashed yet: blocks len(hashes) .. len(token_ids) // block_size - 1. token_ids must hold only
-    known tokens (prompt and resolved outputs)."""
-    tokens = np.asarray(token_ids, dtype="<i8")
-    for i in range(len(hashes), len(tokens) // block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * block_size : (i + 1) * block_size]))
+def extend_block_hashes(hashes: list[bytes], new_token_ids, block_size: int) -> list[bytes]:
+    """Append to hashes (in place; also returned) the chained hashes of the full blocks that follow
+    them. new_token_ids are a sequence's known tokens (prompt and resolved outputs) from position
+    len(hashes) * block_size on; a partial block at their end is left for a later call."""
+    tokens = np.asarray(new_token_ids, dtype="<i8")
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start:start + block_size]))
     return hashes
 
 

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.block_manager import KVBlockManager, blocks_needed, hash_block
+from engine.block_manager import KVBlockManager, blocks_needed, extend_block_hashes
 from engine.config import ConfigError
 from engine.kv_cache import PagedKVCache, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
@@ -120,9 +120,8 @@ class LLMEngine:
         """Extend seq.block_hashes over the full blocks whose tokens are all known (prefix caching)."""
         if not self.prefix_caching:
             return
-        hashes, size = seq.block_hashes, self.block_size
-        for start in range(len(hashes) * size, seq.num_known_tokens - size + 1, size):
-            hashes.append(hash_block(hashes[-1] if hashes else None, seq.token_slice(start, start + size)))
+        start = len(seq.block_hashes) * self.block_size
+        extend_block_hashes(seq.block_hashes, seq.token_slice(start, seq.num_known_tokens), self.block_size)
 
     def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
         if prompt_len == 0:

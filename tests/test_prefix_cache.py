@@ -123,7 +123,7 @@ def test_hash_format_and_chaining():
 
     hashes = extend_block_hashes([], [1, 2, 3], 2)  # one full block
     same = hashes
-    assert extend_block_hashes(hashes, [1, 2, 3, 4, 5], 2) is same and len(hashes) == 2
+    assert extend_block_hashes(hashes, [3, 4, 5], 2) is same and len(hashes) == 2  # from position 2 on
     assert hashes == [hash_block(None, [1, 2]), hash_block(hash_block(None, [1, 2]), [3, 4])]
     assert extend_block_hashes([], [7, 7, 1, 2], 2)[1] != hashes[1]  # same block tokens, other prefix
 
