@@ -28,7 +28,7 @@ def test_kv_budget_gives_every_block_size_the_same_memory(make_config):
         cfg = make_config(f"cache.block_size={block_size}", f"cache.kv_budget_gb={budget}")
         arch = arch_from_model_config(cfg.model)
         per_block = bytes_per_block(arch, block_size, torch.float32)
-        blocks = num_blocks_for(cfg.cache, arch, torch.float32, None, default_blocks=1)
+        blocks = num_blocks_for(cfg.cache, per_block, torch.device("cpu"), cfg.model.max_model_len, 1)
         assert budget * 1e9 - per_block < blocks * per_block <= budget * 1e9
 
 
