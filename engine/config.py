@@ -81,8 +81,8 @@ class GenerateJob:
 @dataclass
 class BenchJob:
     name: str = "bench"
-    workload: str = "random"  # random | nano (nano-vllm's bench.py)
-    num_prompts: int = 256
+    workload: str = "random"  # random | nano (nano-vllm's bench.py) | long | shared_prefix (jobs/bench.py)
+    num_prompts: int = 256  # this and the lengths and seed: workload random only
     input_len: list[int] = field(default_factory=lambda: [100, 1024])
     output_len: list[int] = field(default_factory=lambda: [100, 1024])
     seed: int = 0
@@ -180,5 +180,7 @@ def validate(cfg) -> None:
         for key in ("input_len", "output_len"):
             lo_hi = list(cfg.job[key])
             _check(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], f"job.{key}", "must be [min, max] with 1 <= min <= max", lo_hi)
-        _check(cfg.job.workload in ("random", "nano"), "job.workload", "must be 'random' or 'nano'", cfg.job.workload)
+        workloads = ("random", "nano", "long", "shared_prefix")
+        _check(cfg.job.workload in workloads, "job.workload", f"must be one of {workloads}", cfg.job.workload)
+        _check(cfg.job.num_prompts >= 1, "job.num_prompts", "must be >= 1", cfg.job.num_prompts)
         _check(cfg.job.baseline in ("none", "hf"), "job.baseline", "must be 'none' or 'hf'", cfg.job.baseline)

@@ -7,7 +7,7 @@ import torch
 
 from engine.block_manager import KVBlockManager, blocks_needed, extend_block_hashes
 from engine.config import ConfigError
-from engine.kv_cache import PagedKVCache, num_blocks_for
+from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model
 from engine.scheduler import Scheduler
@@ -67,8 +67,8 @@ class LLMEngine:
         if self.device.type == "cuda" and cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None:
             free_bytes = kv_bytes_left(self.model, self.device, cfg.cache.gpu_memory_utilization,
                                        max_num_batched_tokens, max_num_seqs)
-        num_blocks = num_blocks_for(cfg.cache, self.model.kv_cache_spec, self.dtype, free_bytes,
-                                    max_blocks_per_seq * max_num_seqs)
+        per_block = bytes_per_block(self.model.kv_cache_spec, self.block_size, self.dtype)
+        num_blocks = num_blocks_for(cfg.cache, per_block, self.device, self.max_model_len, max_num_seqs, free_bytes)
         self.kv_cache = PagedKVCache(self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GB; %.1f sequences of max_model_len %d at once",
                  num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.bytes / 1e9,

@@ -3,10 +3,14 @@
 The block table of a sequence is shared by every layer; each layer has its own cache tensors. Slot s
 of a layer lives at [s // block_size, :, s % block_size, :].
 """
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from engine.block_manager import blocks_needed
 from engine.config import ConfigError
 
 
@@ -34,20 +38,68 @@ class PagedKVCache:
         self.bytes = bytes_per_block(spec, block_size, dtype) * num_blocks
 
 
-def num_blocks_for(cache_cfg, spec: KVCacheSpec, dtype: torch.dtype, free_bytes: int | None, default_blocks: int) -> int:
-    """Pool size: cache.num_blocks, else cache.kv_budget_gb, else the free device memory (CUDA), else
-    default_blocks (CPU: every sequence of the batch at max_model_len)."""
-    per_block = bytes_per_block(spec, cache_cfg.block_size, dtype)
-    if cache_cfg.num_blocks is not None:
-        return cache_cfg.num_blocks
-    if cache_cfg.kv_budget_gb is not None:
-        blocks = int(cache_cfg.kv_budget_gb * 1e9 // per_block)
-        if blocks < 1:
-            raise ConfigError(f"cache.kv_budget_gb {cache_cfg.kv_budget_gb} holds no block of {per_block} bytes")
+log = logging.getLogger("minipaged")
+HOST_KV_SHARE = 0.5  # of the host memory available after the weights: the rest for activations and everyone else
+MEMINFO = Path("/proc/meminfo")
+
+
+def num_blocks_for(cache_cfg, per_block: int, device: torch.device, max_model_len: int, max_num_seqs: int,
+                   free_bytes: int | None = None) -> int:
+    """Pool size in blocks of per_block bytes (bytes_per_block's result), decided before anything is allocated.
+
+    cache.num_blocks, else cache.kv_budget_gb // per_block: either must fit in the memory available now
+    (host memory on the CPU, torch.cuda.mem_get_info on CUDA). Without them: on CUDA free_bytes (the
+    share of device memory left for KV, kv_bytes_left), on the CPU HOST_KV_SHARE of the host memory
+    available after the weights, at most max_num_seqs sequences of max_model_len. A sized pool must hold
+    one sequence of max_model_len. Raises ConfigError, with the bytes needed and available, otherwise."""
+    if cache_cfg.num_blocks is not None or cache_cfg.kv_budget_gb is not None:
+        blocks = cache_cfg.num_blocks
+        if blocks is None:
+            blocks = int(cache_cfg.kv_budget_gb * 1e9 // per_block)
+            if blocks < 1:
+                raise ConfigError(f"cache.kv_budget_gb {cache_cfg.kv_budget_gb} holds no block of {per_block} bytes")
+        check_pool_fits(blocks, per_block, device)
         return blocks
-    if free_bytes is not None:
+    seq_blocks = blocks_needed(max_model_len, cache_cfg.block_size)
+    if device.type == "cuda":
         blocks = free_bytes // per_block
-        if blocks < 1:
-            raise ConfigError("cache.gpu_memory_utilization leaves no memory for KV blocks")
-        return blocks
-    return default_blocks
+        where = f"cache.gpu_memory_utilization {cache_cfg.gpu_memory_utilization} leaves {free_bytes / 1e9:.2f} GB for KV"
+        remedy = "raise cache.gpu_memory_utilization"
+    else:
+        available = host_memory_available()
+        blocks = min(int(available * HOST_KV_SHARE) // per_block, max_num_seqs * seq_blocks)
+        where = f"the pool takes {HOST_KV_SHARE:.0%} of the {available / 1e9:.2f} GB of host memory available after the weights"
+        remedy = f"set cache.kv_budget_gb (or cache.num_blocks) to a pool of at most {available / 1e9:.2f} GB"
+        log.info("KV pool on the CPU: %s, at most scheduler.max_num_seqs (%d) sequences of max_model_len: %d blocks",
+                 where, max_num_seqs, blocks)
+    if blocks < seq_blocks:
+        raise ConfigError(
+            f"cache: one sequence of model.max_model_len {max_model_len} needs {seq_blocks * per_block / 1e9:.2f} GB "
+            f"of KV ({seq_blocks} blocks of {cache_cfg.block_size} tokens), but {where}; lower model.max_model_len "
+            f"or {remedy}")
+    return blocks
+
+
+def check_pool_fits(num_blocks: int, per_block: int, device: torch.device) -> None:
+    """Raise ConfigError if a pool of num_blocks would not fit in the memory available on `device` now."""
+    need = num_blocks * per_block
+    if device.type == "cuda":
+        available, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    else:
+        available, where = host_memory_available(), "of host memory available"
+    if need > available:
+        raise ConfigError(
+            f"cache: a KV pool of {num_blocks} blocks ({per_block} bytes each) needs {need / 1e9:.2f} GB, but only "
+            f"{available / 1e9:.2f} GB is {where}; lower cache.kv_budget_gb or cache.num_blocks")
+
+
+def host_memory_available() -> int:
+    """Bytes the kernel can still give without swapping: MemAvailable from /proc/meminfo, else
+    os.sysconf's available pages (which leave out reclaimable page cache)."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -158,3 +158,71 @@ class StatsRecorder:
             "peak_contiguous_kv_utilization_pct": _peak(s.contiguous_kv_utilization_pct for s in live),
             "contiguous_max_concurrent_seqs": num_blocks * block_size // max_model_len,
         }
+
+
+# -- The workload's floor (job=bench) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FloorModel:
+    """The model's numbers that the floor needs (jobs/bench.py counts them on the built model)."""
+
+    nonembed_params: int  # N: every parameter but the token embedding and the lm_head (norms included)
+    lm_head_params: int  # vocab * hidden, also when tied to the embedding: the logits' matmul happens anyway
+    weight_bytes_per_step: int  # (N + lm_head) * element size: what one decode step reads at least
+    kv_bytes_per_token: int  # K and V of every layer for one token
+    num_layers: int
+    num_q_heads: int
+    head_dim: int
+
+
+def spread_prefix_hits(prompt_lens: list[int], hit_tokens: int) -> list[int]:
+    """Cached prompt tokens per request when only the run's total is known: an equal share each, at most
+    prompt_len - 1 (the last prompt token is always computed), shares a short prompt cannot take going to
+    the longer ones; the shares add up to hit_tokens unless that exceeds the sum of the caps."""
+    cached, left = [0] * len(prompt_lens), hit_tokens
+    order = sorted(range(len(prompt_lens)), key=prompt_lens.__getitem__)
+    for k, i in enumerate(order):
+        cached[i] = min(prompt_lens[i] - 1, left // (len(order) - k))
+        left -= cached[i]
+    return cached
+
+
+def _triangle(n: int) -> int:
+    """1 + 2 + ... + n."""
+    return n * (n + 1) // 2
+
+
+def workload_floor_s(requests, model: FloorModel, copy_bytes_per_s: float, matmul_flop_per_s: float) -> dict:
+    """The least time a device with these rates needs for a workload, whatever the schedule.
+
+    requests: (P, C, O) per request: P prompt tokens, of which the first C < P came from the prefix cache,
+    and O >= 1 output tokens. With N = nonembed_params, H = lm_head_params and A = 4 * num_layers *
+    num_q_heads * head_dim (the FLOPs of QK^T and PV for one query and one key; 2 FLOPs a multiply-add):
+
+    prefill FLOPs = sum over requests of [sum over computed positions p = C .. P-1 of (2N + A (p + 1))] + 2H
+                    (causal attention: position p attends to p + 1 keys; logits, 2H, only for the last
+                    prompt token, which gives the first output token)
+    decode tokens = output tokens 2 .. O of each request; the one at position p (P <= p <= P + O - 2)
+                    reads p + 1 stored K/V entries
+    decode steps  = max O - 1 (every sequence in one batch: the longest output sets the number of steps)
+    decode bytes  = steps * weight_bytes_per_step + sum over decode tokens of (p + 1) * kv_bytes_per_token
+    decode FLOPs  = sum over decode tokens of (2 (N + H) + A (p + 1))
+    floor_s       = prefill FLOPs / matmul rate + max(decode bytes / copy rate, decode FLOPs / matmul rate)
+
+    Returns floor_s and its parts floor_prefill_s, floor_decode_bytes_s, floor_decode_flops_s."""
+    attention = 4 * model.num_layers * model.num_q_heads * model.head_dim
+    prefill_flops = decode_flops = kv_reads = steps = 0
+    for prompt_len, cached, output_len in requests:
+        prefill_flops += (2 * model.nonembed_params * (prompt_len - cached) + 2 * model.lm_head_params
+                          + attention * (_triangle(prompt_len) - _triangle(cached)))
+        contexts = _triangle(prompt_len + output_len - 1) - _triangle(prompt_len)  # sum of p + 1 over decode tokens
+        decode_flops += 2 * (model.nonembed_params + model.lm_head_params) * (output_len - 1) + attention * contexts
+        kv_reads += contexts
+        steps = max(steps, output_len - 1)
+    parts = {
+        "floor_prefill_s": prefill_flops / matmul_flop_per_s,
+        "floor_decode_bytes_s": (steps * model.weight_bytes_per_step + kv_reads * model.kv_bytes_per_token) / copy_bytes_per_s,
+        "floor_decode_flops_s": decode_flops / matmul_flop_per_s,
+    }
+    return {"floor_s": parts["floor_prefill_s"] + max(parts["floor_decode_bytes_s"], parts["floor_decode_flops_s"]), **parts}

@@ -1,13 +1,21 @@
-"""The bench job: nano-vllm's workload reproduced exactly, and the transformers baseline on CPU."""
+"""The bench job: nano-vllm's workload reproduced exactly, the long and shared_prefix workloads as defined,
+and a run on CPU with its floor and the transformers baseline."""
+import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow.parquet as pq
+import pytest
+import torch
 
+from engine.models.loader import build_model
 from engine.sequence import SamplingParams
-from jobs.bench import workload
+from engine.stats import workload_floor_s
+from jobs import JobError
+from jobs.bench import floor_model, run, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,16 +29,59 @@ def test_nano_workload_is_nano_vllms():
     assert all(100 <= len(p) <= 1024 and max(p) <= 10000 for p, _ in requests)
 
 
-def test_bench_with_the_transformers_baseline_on_the_tiny_model(tmp_path):
+def test_long_workload():
+    sampling = SamplingParams(temperature=0.0, top_p=0.95, top_k=20)  # the run's settings but the temperature stay
+    requests = workload(SimpleNamespace(workload="long"), sampling, vocab_size=151936)
+    assert len(requests) == 1024
+    assert all(512 <= len(p) <= 3584 and 32 <= s.max_tokens <= 512 and 0 <= min(p) and max(p) < 10000 for p, s in requests)
+    assert max(len(p) + s.max_tokens for p, s in requests) <= 4096
+    assert all((s.temperature, s.top_p, s.top_k, s.ignore_eos) == (0.6, 0.95, 20, True) for _, s in requests)
+    lengths = [len(p) for p, _ in requests]
+    assert min(lengths) < 600 and max(lengths) > 3500  # spread over the range
+
+
+def test_shared_prefix_workload_as_documented():
+    requests = workload(SimpleNamespace(workload="shared_prefix"), SamplingParams(top_p=0.9), vocab_size=257)
+    rng = random.Random(0)  # jobs/bench.py's recipe: the prefix, then per request its suffix and output length
+    prefix = [rng.randrange(10000) % 257 for _ in range(2048)]
+    expected = []
+    for _ in range(1024):
+        suffix = [rng.randrange(10000) % 257 for _ in range(rng.randint(16, 256))]
+        expected.append((prefix + suffix, rng.randint(32, 256)))
+    assert [(p, s.max_tokens) for p, s in requests] == expected
+    assert all(16 <= len(p) - 2048 <= 256 and 32 <= n <= 256 for p, n in expected)
+    assert len({tuple(p) for p, _ in requests}) == 1024  # the suffixes make every prompt unique
+    assert all((s.temperature, s.top_p, s.ignore_eos) == (0.6, 0.9, True) for _, s in requests)
+
+
+@pytest.mark.parametrize("workload_name, longest", [("long", 4096), ("shared_prefix", 2560)])
+def test_a_workload_longer_than_max_model_len_is_refused(make_config, workload_name, longest):
+    cfg = make_config("job=bench", f"job.workload={workload_name}", "model.max_model_len=2048")
+    with pytest.raises(JobError, match=f"requests of up to {longest} tokens .* need model.max_model_len >= {longest}, it is 2048"):
+        run(cfg)
+
+
+def test_bench_with_its_floor_and_the_transformers_baseline_on_the_tiny_model(tmp_path, make_config):
+    overrides = ["job=bench", "job.num_prompts=6", "job.input_len=[8,40]", "job.output_len=[8,16]", "sampling.temperature=0"]
     result = subprocess.run(
-        [sys.executable, "-m", "engine.run", "job=bench", "job.num_prompts=6", "job.input_len=[8,40]",
-         "job.output_len=[8,16]", "job.baseline=hf", "job.hf_batch_size=4", "sampling.temperature=0",
-         f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "engine.run", *overrides, "job.baseline=hf", "job.hf_batch_size=4", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "MINIPAGED_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr
     summary = pq.read_table(tmp_path / "summary.parquet").to_pylist()[0]
     assert summary["num_requests"] == 6 and summary["device"] == "cpu"
+    assert (tmp_path / "cache" / "device_rates.json").exists()
+    # the floor of the same workload, from the run's rates: every request ran to its max_tokens (ignore_eos)
+    cfg = make_config(*overrides)
+    model, _ = build_model(cfg.model, torch.device("cpu"), torch.float32)
+    requests = workload(cfg.job, SamplingParams(), model.arch.vocab_size)
+    assert summary["output_tokens"] == sum(s.max_tokens for _, s in requests)
+    floor = workload_floor_s([(len(p), 0, s.max_tokens) for p, s in requests],
+                             floor_model(model, summary["kv_budget_bytes"] // summary["kv_slots"]),
+                             summary["copy_gb_per_s"] * 1e9, summary["matmul_tflop_per_s"] * 1e12)
+    assert floor == pytest.approx({k: summary[k] for k in floor}) and summary["floor_s"] > 0
+    assert summary["pct_of_floor"] > 0
+    assert summary["pct_of_floor"] == pytest.approx(100 * summary["floor_s"] / summary["wall_time_s"])
     assert summary["speedup_vs_hf"] == summary["output_tok_per_s"] / summary["hf_output_tok_per_s"]
     # float32, greedy, same weights: transformers' padded batches give the same tokens as the engine
     assert summary["hf_match_first32_pct"] == 100.0

@@ -14,7 +14,7 @@ def test_admission_stops_at_the_block_budget():
     for i in range(3):
         scheduler.add(make_seq(i, 6))
     batch = scheduler.schedule()
-    assert batch.is_prefill and [s.seq_id for s in batch.seqs] == [0, 1]
+    assert batch.phase == "prefill" and [s.seq_id for s in batch.seqs] == [0, 1]
     assert batch.num_new_tokens == [6, 6] and len(scheduler.waiting) == 1
     assert scheduler.block_manager.num_free_blocks == 1
 
@@ -28,7 +28,7 @@ def test_admission_stops_at_the_token_budget_and_chunks_the_rest():
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         seq.num_computed_tokens += n
     follow_up = scheduler.schedule()  # the chunked prompt continues before any decode
-    assert follow_up.is_prefill and [s.seq_id for s in follow_up.seqs] == [2] and follow_up.num_new_tokens == [2]
+    assert follow_up.phase == "prefill" and [s.seq_id for s in follow_up.seqs] == [2] and follow_up.num_new_tokens == [2]
 
 
 def test_sequence_cap():
@@ -51,8 +51,10 @@ def test_slots_of_a_batch_follow_the_address_map():
 
 def test_freed_blocks_are_reused_and_nothing_leaks(make_config):
     # 8 blocks of 4 tokens; admission needs the prompt's 2 blocks free, so at most 4 run at once, and
-    # as they grow to 16 tokens = 4 blocks each, the newest are preempted.
-    engine = LLMEngine(make_config("cache.block_size=4", "cache.num_blocks=8", "model.device=cpu"))
+    # as they grow to 16 tokens = 4 blocks each, the newest are preempted. (No prefix caching: the five
+    # equal prompts would share their blocks.)
+    engine = LLMEngine(make_config("cache.block_size=4", "cache.num_blocks=8", "model.device=cpu",
+                                   "cache.enable_prefix_caching=false"))
     for i in range(5):
         engine.add_request(str(i), list(range(10, 18)), SamplingParams(max_tokens=8, ignore_eos=True))
     seen_blocks, finished = set(), []

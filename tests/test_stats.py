@@ -12,7 +12,8 @@ from jobs.common import drive, run_summary
 
 
 def take_snapshot(manager, max_model_len, step=0, running=None):
-    batch = SimpleNamespace(is_prefill=False, seqs=[], num_tokens=0, num_preempted=0)
+    batch = SimpleNamespace(phase="decode", seqs=[], num_tokens=0, num_decode_seqs=0, num_prefill_tokens=0,
+                            num_preempted=0, prefix_cache_hit_tokens=0, admitted_tokens=0)
     scheduler = SimpleNamespace(running=running if running is not None else list(manager.sequences), waiting=[])
     return snapshot(step, batch, scheduler, manager, max_model_len)
 
@@ -143,7 +144,7 @@ def test_summary_has_the_fields_of_the_sweep(make_config):
     per_block = 2 * 2 * 2 * 8 * 16 * 4  # K and V, 2 layers, 2 kv heads, 8 tokens, head_dim 16, float32
     assert summary["block_size"] == 8 and summary["num_blocks"] == int(0.0001 * 1e9 // per_block)
     assert summary["kv_budget_bytes"] == summary["num_blocks"] * per_block
-    assert per_block == bytes_per_block(engine.model.arch, 8, engine.dtype)
+    assert per_block == bytes_per_block(engine.model.kv_cache_spec, 8, engine.dtype)
     assert summary["kv_slots"] == summary["num_blocks"] * 8
     for name in ("peak_blocks_used", "peak_paged_kv_utilization_pct", "mean_paged_kv_utilization_pct",
                  "mean_internal_waste_pct", "max_running_seqs", "mean_running_seqs", "preemptions",

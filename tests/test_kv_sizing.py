@@ -1,0 +1,104 @@
+"""The KV pool sized from the memory there is, and refused before anything is allocated when it cannot fit
+(engine/kv_cache.py). Available memory is monkeypatched: nothing here allocates more than the tiny model."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import kv_cache
+from engine.config import ConfigError
+from engine.engine import LLMEngine
+from engine.kv_cache import host_memory_available, num_blocks_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+PER_BLOCK = 10**8  # 100 MB a block; with block_size 16 and max_model_len 160, one sequence is 10 blocks = 1 GB
+LEN = 160
+
+
+@pytest.fixture
+def host_memory(monkeypatch):
+    def set_available(num_bytes: int) -> None:
+        monkeypatch.setattr(kv_cache, "host_memory_available", lambda: num_bytes)
+    return set_available
+
+
+def cache(make_config, *overrides):
+    return make_config("cache.block_size=16", *overrides).cache
+
+
+def test_cpu_pool_takes_half_the_available_memory(make_config, host_memory):
+    host_memory(10_150_000_000)  # half is 5.075 GB: 50 blocks of 100 MB; 64 sequences would take 640
+    assert num_blocks_for(cache(make_config), PER_BLOCK, CPU, LEN, max_num_seqs=64) == 50
+
+
+def test_cpu_pool_is_at_most_max_num_seqs_sequences(make_config, host_memory):
+    host_memory(100 * 10**9)  # half is 500 blocks; 4 sequences of 10 blocks need 40
+    assert num_blocks_for(cache(make_config), PER_BLOCK, CPU, LEN, max_num_seqs=4) == 40
+
+
+def test_cpu_memory_for_less_than_one_sequence(make_config, host_memory):
+    host_memory(1_500_000_000)  # half is 0.75 GB: 7 blocks, and one sequence needs 10 (1 GB)
+    with pytest.raises(ConfigError) as err:
+        num_blocks_for(cache(make_config), PER_BLOCK, CPU, LEN, max_num_seqs=4)
+    message = str(err.value)
+    for part in ("model.max_model_len 160 needs 1.00 GB", "10 blocks of 16 tokens", "50% of the 1.50 GB of host memory",
+                 "cache.kv_budget_gb", "at most 1.50 GB"):
+        assert part in message
+
+
+@pytest.mark.parametrize("override, need", [("cache.num_blocks=100000000", "10000000.00 GB"), ("cache.kv_budget_gb=20", "20.00 GB")])
+def test_an_explicit_pool_larger_than_host_memory(make_config, host_memory, override, need):
+    host_memory(16 * 10**9)
+    with pytest.raises(ConfigError) as err:
+        num_blocks_for(cache(make_config, override), PER_BLOCK, CPU, LEN, max_num_seqs=4)
+    message = str(err.value)
+    for part in (f"needs {need}", "only 16.00 GB is of host memory available", "cache.kv_budget_gb", "cache.num_blocks"):
+        assert part in message
+
+
+def test_an_explicit_pool_that_fits_is_taken_as_given(make_config, host_memory):
+    host_memory(16 * 10**9)  # all of it may go to an explicit pool, not only half; max_num_seqs does not cap it
+    assert num_blocks_for(cache(make_config, "cache.kv_budget_gb=15.95"), PER_BLOCK, CPU, LEN, max_num_seqs=1) == 159
+    assert num_blocks_for(cache(make_config, "cache.num_blocks=160"), PER_BLOCK, CPU, LEN, max_num_seqs=1) == 160
+
+
+def test_cuda_pools_against_device_memory(make_config, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * 10**9, 80 * 10**9))  # free, total
+    assert num_blocks_for(cache(make_config, "cache.kv_budget_gb=4"), PER_BLOCK, CUDA, LEN, 1) == 40
+    with pytest.raises(ConfigError, match=r"needs 8.00 GB, but only 5.00 GB is free on cuda; lower cache.kv_budget_gb"):
+        num_blocks_for(cache(make_config, "cache.kv_budget_gb=8"), PER_BLOCK, CUDA, LEN, 1)
+    # sized from the share of device memory left for KV (free_bytes): all of it, not capped by max_num_seqs
+    assert num_blocks_for(cache(make_config), PER_BLOCK, CUDA, LEN, 1, free_bytes=2_550_000_000) == 25
+    with pytest.raises(ConfigError, match=r"leaves 0.50 GB for KV; lower model.max_model_len or raise cache.gpu_memory_utilization"):
+        num_blocks_for(cache(make_config), PER_BLOCK, CUDA, LEN, 1, free_bytes=5 * 10**8)
+
+
+def test_host_memory_available_reads_meminfo_or_sysconf(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24580000 kB\nMemFree:          800000 kB\nMemAvailable:   12345678 kB\n")
+    monkeypatch.setattr(kv_cache, "MEMINFO", meminfo)
+    assert host_memory_available() == 12345678 * 1024
+    monkeypatch.setattr(kv_cache, "MEMINFO", tmp_path / "missing")
+    pages = {"SC_AVPHYS_PAGES": 1000, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(os, "sysconf", pages.__getitem__)
+    assert host_memory_available() == 4096 * 1000
+
+
+def test_the_engine_sizes_its_cpu_pool_from_host_memory(make_config, host_memory):
+    # the tiny model in float32: K and V of 2 layers x 2 kv heads x 16 dims x 4 bytes = 512 bytes a token,
+    # 8192 a block of 16; half of 2 * 100 * 8192 + 1 bytes holds 100 blocks (64 sequences of 32 would take 2048)
+    host_memory(2 * 100 * 8192 + 1)
+    engine = LLMEngine(make_config("model.device=cpu", "model.max_model_len=512"))
+    assert engine.num_blocks == 100 and engine.kv_cache.bytes == 100 * 8192
+
+
+def test_a_pool_beyond_memory_stops_the_job_with_a_message(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "engine.run", "model.device=cpu", "cache.num_blocks=100000000",
+                             f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: cache: a KV pool of 100000000 blocks (8192 bytes each) needs 819.20 GB" in result.stderr
+    assert "lower cache.kv_budget_gb or cache.num_blocks" in result.stderr
