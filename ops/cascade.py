@@ -17,7 +17,7 @@ physical blocks). Three kernels, none of which synchronises with the host:
 The prefix a group's kernel covers is its prefix length rounded down to the decode kernel's BLOCK_N
 when that divides the block size (the decode tile loop needs aligned starts there); the rounded-off
 tokens go to the suffix pass, so results do not depend on it. Rows outside [0, cu_group_rows[G]) and
-groups with prefix 0 take the plain path (ctx_start stays 0).
+groups with prefix 0 take the plain path (ctx_start stays 0); with G = 0 the op is plain decode.
 """
 from typing import Optional
 
@@ -105,6 +105,8 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
 
 def _cascade_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows, group_prefix_lens,
                   max_group_rows=None, num_chunks=None, num_splits=None):
+    if group_prefix_lens.shape[0] == 0:  # no groups (a shape): plain decode, at no extra cost
+        return triton_ops._decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=num_splits)
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     out = torch.empty_like(q)
@@ -120,9 +122,8 @@ def _cascade_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_g
     num_chunks, num_splits = max(1, int(num_chunks)), max(1, int(num_splits))
     partials = triton_ops.decode_partials(q, num_chunks + num_splits)
     ctx_start = torch.zeros(B, dtype=torch.int32, device=q.device)
-    if group_prefix_lens.shape[0] > 0:
-        _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows, group_prefix_lens,
-                       ctx_start, partials, num_chunks, block_m, block_q, cfg)
+    _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows, group_prefix_lens,
+                   ctx_start, partials, num_chunks, block_m, block_q, cfg)
     triton_ops.launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
                              partials=partials, ctx_start=ctx_start, first_slot=num_chunks)
     triton_ops.launch_reduce(partials, out, num_chunks + num_splits, ctx_start=ctx_start,

@@ -104,6 +104,14 @@ def test_cascade_equals_decode(backend, dtype, case, gen, nan_buffers):
     check(out, ref, dtype, gen, f"cascade {backend}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_groups_is_plain_decode(backend, gen, nan_buffers):
+    dtype = torch.float32
+    args, _ = cascade_inputs((16, 8, 2, 64, [], [1, 40, 100]), dtype, gen)
+    no_groups = (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE))
+    check(ops.cascade_attention_decode(*args, *no_groups, backend=backend), decode_oracle(*args), dtype, gen, backend)
+
+
 def test_prefix_read_through_first_member_only(gen, nan_buffers):
     """White box: the Triton op reads a group's prefix through its first row's block table only, so the
     other members' whole prefix blocks may point at block -1 (NaN) and the result must not change."""
