@@ -4,6 +4,8 @@ Each takes backend=None|"triton"|"torch": None picks Triton for CUDA tensors and
 otherwise. Contracts and shapes: ops/reference.py, ops/fused_reference.py and DESIGN.md. The Triton
 modules (ops/triton_ops.py, ops/fused.py) are imported only when asked for: triton is optional on CPU.
 """
+import torch
+
 from ops import reference
 
 BACKENDS = ("triton", "torch")
@@ -46,6 +48,27 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, sc
     split-KV grid (results are right for any value)."""
     return _pick(backend, q).paged_attention_decode(
         q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len)
+
+
+def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
+                             group_prefix_lens, backend=None, *, max_group_rows=None):
+    """paged_attention_decode for rows in groups that share a prefix: rows cu_group_rows[g]:
+    cu_group_rows[g+1] (int32 [G+1], from 0, nondecreasing, at most B; later rows share nothing) share
+    their first group_prefix_lens[g] (int32 [G], <= each member's seq_len) tokens, in the same physical
+    blocks; the prefix K/V is read once per group (per row tile), not once per row. max_group_rows
+    (optional): a CPU-side bound of the rows per group; it only picks the Triton row tile."""
+    if cu_group_rows.dim() != 1 or group_prefix_lens.shape != (cu_group_rows.shape[0] - 1,):
+        raise ValueError(f"cu_group_rows must be [G+1] and group_prefix_lens [G]; got "
+                         f"{tuple(cu_group_rows.shape)} and {tuple(group_prefix_lens.shape)}")
+    if cu_group_rows.dtype != torch.int32 or group_prefix_lens.dtype != torch.int32:
+        raise ValueError(f"cu_group_rows and group_prefix_lens must be int32; got {cu_group_rows.dtype} "
+                         f"and {group_prefix_lens.dtype}")
+    if _use_triton(backend, q):
+        from ops import cascade as impl
+    else:
+        impl = reference
+    return impl.cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
+                                         group_prefix_lens, max_group_rows=max_group_rows)
 
 
 def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, backend=None, *,

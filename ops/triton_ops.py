@@ -20,7 +20,8 @@ Kernels:
   tile when the block size is a multiple of BLOCK_N). Split-KV (flash-decoding): when
   B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
   ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
-  second kernel merges them.
+  second kernel merges them. Cascade decode (ops/cascade.py) reuses both: the decode kernel over each
+  row's [ctx_start, seq_len) into the partial slots after its shared prefix's, the reduce over all.
 - prefill: one program per (query tile, kv head). A query tile packs BLOCK_Q tokens x G heads
   into BLOCK_M rows; the query tiles of all sequences are enumerated without host knowledge
   (grid T // BLOCK_Q + B, each program finds its sequence by binary search over cu_seqlens_q).
@@ -133,91 +134,159 @@ def _attn_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Tiles of BLOCK_Q rows over the row ranges cu[b]:cu[b+1] (cu[0] = 0, nondecreasing), enumerated
+    without host knowledge: range b owns programs [cu[b] // BLOCK_Q + b, .. + cdiv(len(b), BLOCK_Q)),
+    so a grid of cu[-1] // BLOCK_Q + num_seqs programs covers every tile. Binary search over cu.
+    Returns (b, first row of b, len(b), this tile's first row within b); a program whose tile starts at
+    or after len(b) has no work."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        if first <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    b = lo - 1
+    start = tl.load(cu_ptr + b)
+    length = tl.load(cu_ptr + b + 1) - start
+    return b, start, length, (pid - (start // BLOCK_Q + b)) * BLOCK_Q
+
+
+@triton.jit
+def _query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """The [BLOCK_M, BLOCK_D] query tile whose row i is query row q_rows[i], head heads[i], in the dtype
+    tl.dot gets (float32 in the interpreter, else the cache's), and a fresh online-softmax state."""
+    q = tl.load(q_ptr + q_rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(kc_ptr.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    return q, m_i, l_i, acc
+
+
+@triton.jit
+def _attend_range(
+    q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, start, end,
+    s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Online softmax of the tile q over keys [start, end) of kv head kvh, every query seeing every key
+    (start: a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
+    vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
+    for n0 in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attn_tile(
+            q, acc, m_i, l_i, qk_scale, m_i,  # (q_pos: unused, not CAUSAL)
+            kc_head, vc_head, bt_row, n0, end,
+            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+            offs_n, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC, UPCAST,
+        )
+    return acc, m_i, l_i
+
+
 # --------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["s_btb"])
+@triton.jit(do_not_specialize=["s_btb", "first_slot"])
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale, num_splits, num_q_heads,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, ctx_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale, num_splits, first_slot, num_q_heads,
     s_qb, s_qh, s_qd,
     s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
     s_btb,
     s_ob, s_oh, s_od,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_CTX_START: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    """Attention of each sequence's query over its tokens [ctx_start, seq_len) (ctx_start 0 unless
+    HAS_CTX_START; then it must be a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0). SPLIT writes
+    partial (out, log2-sum-exp) pairs to slots first_slot + split instead of the output."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seqlen_ptr + b)
+    if HAS_CTX_START:
+        ctx_start = tl.load(ctx_start_ptr + b)
+    else:
+        ctx_start = 0
     if SPLIT:
-        per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per
+        per = tl.cdiv(tl.cdiv(seq_len - ctx_start, num_splits), BLOCK_N) * BLOCK_N
+        start = ctx_start + split * per
         end = tl.minimum(start + per, seq_len)
     else:
-        start = 0
+        start = ctx_start
         end = seq_len
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * G + offs_g
     g_mask = offs_g < G
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(kc_ptr.dtype.element_ty)
-
-    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * s_btb
-    kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
-    vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
-    for n0 in range(start, end, BLOCK_N):
-        acc, m_i, l_i = _attn_tile(
-            q, acc, m_i, l_i, qk_scale, offs_g,
-            kc_head, vc_head, bt_row, n0, end,
-            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
-            offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC, UPCAST,
-        )
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    q, m_i, l_i, acc = _query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
+                                   s_qb, s_qh, s_qd, kc_ptr, BLOCK_G, BLOCK_D, UPCAST)
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + b.to(tl.int64) * s_btb, start, end,
+        s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+        BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST,
+    )
     if SPLIT:
-        # partials: [B, Hq, BLOCK_S, D] and [B, Hq, BLOCK_S], contiguous
-        row = (b.to(tl.int64) * num_q_heads + heads) * BLOCK_S + split
-        tl.store(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :], o,
-                 mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(part_lse_ptr + row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+        rows = b.to(tl.int64) * num_q_heads + heads
+        _store_partial(part_o_ptr, part_lse_ptr, rows, first_slot + split, acc, m_i, l_i, offs_d,
+                       g_mask, d_mask, BLOCK_S, BLOCK_D)
     else:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+                 (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
+def _store_partial(part_o_ptr, part_lse_ptr, rows, slot, acc, m_i, l_i, offs_d, row_mask, d_mask,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Partial results of (row, q head) pairs rows (= row * Hq + head) in slot: o [.., BLOCK_S, BLOCK_D]
+    and log2-sum-exp [.., BLOCK_S] (float32, contiguous); an empty range stores only lse = -inf (the
+    reduce reads no o of such a slot)."""
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    idx = rows * BLOCK_S + slot
+    tl.store(part_o_ptr + idx[:, None] * BLOCK_D + offs_d[None, :], acc / l_safe[:, None],
+             mask=(row_mask & (l_i > 0.0))[:, None] & d_mask[None, :])
+    tl.store(part_lse_ptr + idx, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_prefix_slots"])
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, num_splits, num_q_heads,
+    part_o_ptr, part_lse_ptr, ctx_start_ptr, out_ptr, num_slots, num_prefix_slots, num_q_heads,
     s_ob, s_oh, s_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):
+    """Log-sum-exp merge of slots [0, num_slots) of each (row, q head). HAS_PREFIX: slots
+    [0, num_prefix_slots) hold a shared prefix's partials, valid only for rows with ctx_start > 0."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     row = (b.to(tl.int64) * num_q_heads + h) * BLOCK_S + offs_s
-    s_mask = offs_s < num_splits
+    s_mask = offs_s < num_slots
+    if HAS_PREFIX:
+        has_prefix = (tl.load(ctx_start_ptr + b) + 0 * offs_s) > 0  # a block: the interpreter rejects scalar | block
+        s_mask = s_mask & ((offs_s >= num_prefix_slots) | has_prefix)
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-                mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+                mask=(lse > float("-inf"))[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     den = tl.sum(w, 0)
     den = tl.where(den > 0.0, den, 1.0)
     res = tl.sum(w[:, None] * o, 0) / den
@@ -263,49 +332,76 @@ def _dot_prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def decode_cfg(q, key_cache):
+    if not q.is_cuda:
+        return DECODE_CFG["interp"]
+    return DECODE_CFG["gpu_fp32" if key_cache.dtype == torch.float32 else "gpu"]
+
+
+def decode_partials(q, num_slots):
+    """Buffers of partial (out, log2-sum-exp) per (row, q head, slot): [B, Hq, S, BLOCK_D], [B, Hq, S]
+    with S = next_pow2(num_slots)."""
+    B, Hq, D = q.shape
+    S = triton.next_power_of_2(num_slots)
+    return (torch.empty((B, Hq, S, triton.next_power_of_2(D)), dtype=torch.float32, device=q.device),
+            torch.empty((B, Hq, S), dtype=torch.float32, device=q.device))
+
+
+def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits, out=None,
+                  partials=None, ctx_start=None, first_slot=0):
+    """The decode kernel over grid (B, Hkv, num_splits): into out, or, given partials (see
+    decode_partials), into their slots first_slot .. first_slot + num_splits - 1. ctx_start [B] int32
+    (optional): each row attends to tokens [ctx_start, seq_len) only."""
+    B, Hq, D = q.shape
+    _, Hkv, bs, _ = key_cache.shape
+    cfg = decode_cfg(q, key_cache)
+    split = partials is not None
+    part_o, part_lse = partials if split else (out, out)
+    out = out if out is not None else q  # unused when split
+    _decode_kernel[(B, Hkv, num_splits)](
+        q, key_cache, value_cache, block_tables, seq_lens, ctx_start if ctx_start is not None else seq_lens,
+        out, part_o, part_lse,
+        float(scale) * LOG2E, num_splits, first_slot, Hq,
+        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
+        G=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
+        BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
+        DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def launch_reduce(partials, out, num_slots, ctx_start=None, num_prefix_slots=0):
+    """out[b, h] = the log-sum-exp merge of partial slots [0, num_slots); with ctx_start, slots
+    [0, num_prefix_slots) count only for rows whose ctx_start > 0."""
+    part_o, part_lse = partials
+    B, Hq, D = out.shape
+    _decode_reduce_kernel[(B, Hq)](
+        part_o, part_lse, ctx_start if ctx_start is not None else part_lse, out,
+        num_slots, num_prefix_slots, Hq, *out.stride(),
+        HEAD_DIM=D, BLOCK_D=part_o.shape[3], BLOCK_S=part_lse.shape[2], HAS_PREFIX=ctx_start is not None,
+        num_warps=4,
+    )
+
+
 def _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None, num_splits=None):
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     out = torch.empty_like(q)
     if B == 0:
         return out
-    G = Hq // Hkv
-    on_gpu = q.is_cuda
-    if not on_gpu:
-        cfg = DECODE_CFG["interp"]
-    elif key_cache.dtype == torch.float32:
-        cfg = DECODE_CFG["gpu_fp32"]
-    else:
-        cfg = DECODE_CFG["gpu"]
-    BLOCK_N = cfg["BLOCK_N"]
     max_ctx = block_tables.shape[1] * bs
     if max_seq_len is not None:
         max_ctx = min(max_ctx, int(max_seq_len))
     if num_splits is None:
         num_splits = decode_num_splits(B, Hkv, max_ctx, q.device)
     num_splits = max(1, int(num_splits))
-    split = num_splits > 1
-    BLOCK_S = triton.next_power_of_2(num_splits)
-    BLOCK_D = triton.next_power_of_2(D)
-    if split:
-        part_o = torch.empty((B, Hq, BLOCK_S, BLOCK_D), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, Hq, BLOCK_S), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
-    _decode_kernel[(B, Hkv, num_splits)](
-        q, key_cache, value_cache, block_tables, seq_lens, out, part_o, part_lse,
-        float(scale) * LOG2E, num_splits, Hq,
-        *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
-        G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_D=BLOCK_D,
-        BLOCK_SIZE=bs, BLOCK_N=BLOCK_N, SPLIT=split, BLOCK_S=BLOCK_S,
-        DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if split:
-        _decode_reduce_kernel[(B, Hq)](
-            part_o, part_lse, out, num_splits, Hq, *out.stride(),
-            HEAD_DIM=D, BLOCK_D=BLOCK_D, BLOCK_S=BLOCK_S, num_warps=4,
-        )
+    if num_splits == 1:
+        launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, 1, out=out)
+        return out
+    partials = decode_partials(q, num_splits)
+    launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits, partials=partials)
+    launch_reduce(partials, out, num_splits)
     return out
 
 
@@ -328,20 +424,7 @@ def _prefill_kernel(
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    # sequence b owns programs [cu[b] // BLOCK_Q + b, cu[b] // BLOCK_Q + b + cdiv(len_q(b), BLOCK_Q))
-    lo: tl.int32 = 0
-    hi = num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        first = tl.load(cu_ptr + mid) // BLOCK_Q + mid
-        if first <= pid:
-            lo = mid + 1
-        else:
-            hi = mid
-    b = lo - 1
-    q_start = tl.load(cu_ptr + b)
-    len_q = tl.load(cu_ptr + b + 1) - q_start
-    q_block_start = (pid - (q_start // BLOCK_Q + b)) * BLOCK_Q
+    b, q_start, len_q, q_block_start = _tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q)
     if q_block_start >= len_q:
         return
     seq_len = tl.load(seqlen_ptr + b)
@@ -356,16 +439,8 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     q_pos = ctx + tok
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(kc_ptr.dtype.element_ty)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    q, m_i, l_i, acc = _query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
+                                   BLOCK_M, BLOCK_D, UPCAST)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
     vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
@@ -403,6 +478,27 @@ PREFILL_CFG = {
 }
 
 
+def prefill_cfg(q, key_cache):
+    if not q.is_cuda:
+        return PREFILL_CFG["interp"]
+    if key_cache.dtype == torch.float32:
+        return PREFILL_CFG["gpu_fp32"]
+    return PREFILL_CFG["gpu_large_d" if q.shape[2] > 128 else "gpu"]
+
+
+def query_tile(cfg, G, max_rows, on_gpu):
+    """(BLOCK_M, BLOCK_Q): a tile of BLOCK_M rows packs BLOCK_Q query rows x G heads. max_rows, a
+    CPU-side bound of the rows per range, picks a smaller tile on the GPU."""
+    BLOCK_M = max(cfg["BLOCK_M"], 16, triton.next_power_of_2(G))
+    BLOCK_Q = BLOCK_M // G
+    if max_rows is not None and on_gpu:
+        # short query runs (e.g. many 1-token chunks) waste most rows of a 128-row tile
+        while BLOCK_Q // 2 >= max(int(max_rows), 1) and BLOCK_M // 2 >= max(16, G):
+            BLOCK_M //= 2
+            BLOCK_Q = BLOCK_M // G
+    return BLOCK_M, BLOCK_Q
+
+
 def _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None):
     T, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
@@ -411,21 +507,8 @@ def _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
     if T == 0 or B == 0:
         return out
     G = Hq // Hkv
-    if not q.is_cuda:
-        cfg = PREFILL_CFG["interp"]
-    elif key_cache.dtype == torch.float32:
-        cfg = PREFILL_CFG["gpu_fp32"]
-    elif D > 128:
-        cfg = PREFILL_CFG["gpu_large_d"]
-    else:
-        cfg = PREFILL_CFG["gpu"]
-    BLOCK_M = max(cfg["BLOCK_M"], 16, triton.next_power_of_2(G))
-    BLOCK_Q = BLOCK_M // G
-    if max_seqlen_q is not None and q.is_cuda:
-        # short query runs (e.g. many 1-token chunks) waste most rows of a 128-row tile
-        while BLOCK_Q // 2 >= max(int(max_seqlen_q), 1) and BLOCK_M // 2 >= max(16, G):
-            BLOCK_M //= 2
-            BLOCK_Q = BLOCK_M // G
+    cfg = prefill_cfg(q, key_cache)
+    BLOCK_M, BLOCK_Q = query_tile(cfg, G, max_seqlen_q, q.is_cuda)
     grid = (T // BLOCK_Q + B, Hkv)
     _prefill_kernel[grid](
         q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out,

@@ -1,0 +1,220 @@
+"""Cascade (shared-prefix) decode attention, both backends, against the float64 oracle of test_ops.
+
+Each case builds groups of rows whose block tables share the blocks of their group's prefix (a
+prefix that ends mid-block shares that block too, as sampled sequences of one prompt do before
+copy-on-write), with shuffled physical block ids. The result must equal plain paged decode, which
+test_ops checks against the same oracle, within the ops' tolerances. Slots no row may read, a block
+just before the cache (block id -1) and the outputs are NaN.
+"""
+import math
+
+import pytest
+import torch
+
+import ops
+from test_ops import (  # noqa: F401  (gen, nan_outputs: fixtures)
+    DEVICE, DTYPES, NAN, ON_GPU, cdiv, check, decode_oracle, gen, nan_outputs,
+)
+
+BACKENDS = ["triton", "torch"]
+
+
+@pytest.fixture
+def nan_buffers(nan_outputs, monkeypatch):
+    """nan_outputs, and NaN in every float tensor from torch.empty too (the Triton op's partial
+    buffers), so that a merge of a slot nobody wrote fails the test."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(NAN) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def make_groups(groups, lone_lens, num_kv_heads, head_dim, block_size, dtype, gen, spare_blocks=2):
+    """groups: [(prefix_len, [seq_len of each member]), ...], then rows in no group (lone_lens).
+    Returns (key_cache, value_cache, block_tables [B, M] int32 with -1 padding, seq_lens, cu_group_rows,
+    group_prefix_lens); members of a group share the first cdiv(prefix_len, block_size) blocks."""
+    tables, lens, cu, prefixes = [], [], [0], []
+    next_block = 0
+
+    def new_blocks(n):
+        nonlocal next_block
+        next_block += n
+        return list(range(next_block - n, next_block))
+
+    for prefix, members in groups:
+        shared = new_blocks(cdiv(prefix, block_size))
+        for L in members:
+            tables.append(shared + new_blocks(max(cdiv(L, block_size) - len(shared), 0)))
+            lens.append(L)
+        cu.append(len(lens))
+        prefixes.append(prefix)
+    for L in lone_lens:
+        tables.append(new_blocks(cdiv(L, block_size)))
+        lens.append(L)
+    nb = next_block + spare_blocks
+    perm = torch.randperm(nb, generator=gen)
+    bt = torch.full((len(lens), max(map(len, tables)) + 1), -1, dtype=torch.int32)
+    poison = torch.ones(nb, block_size, dtype=torch.bool)
+    for b, (table, L) in enumerate(zip(tables, lens)):
+        bt[b, :len(table)] = perm[table]
+        pos = torch.arange(L)
+        poison[bt[b, pos // block_size].long(), pos % block_size] = False
+    shape = (nb + 1, num_kv_heads, block_size, head_dim)
+    caches = []
+    for _ in range(2):
+        buf = torch.randn(shape, generator=gen).to(dtype)
+        buf[0] = NAN  # sits just before the cache: what block id -1 would address
+        buf[1:].permute(0, 2, 1, 3)[poison] = NAN
+        caches.append(buf[1:].to(DEVICE))
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return (*caches, bt.to(DEVICE), as_int(lens), as_int(cu), as_int(prefixes))
+
+
+def cascade_inputs(case, dtype, gen):
+    bs, Hq, Hkv, D, groups, lone = case
+    key_cache, value_cache, bt, seq_lens, cu, prefixes = make_groups(groups, lone, Hkv, D, bs, dtype, gen)
+    q = torch.randn(bt.shape[0], Hq, D, generator=gen).to(dtype).to(DEVICE)
+    return (q, key_cache, value_cache, bt, seq_lens, 1.0 / math.sqrt(D)), (cu, prefixes)
+
+
+# (block_size, Hq, Hkv, head_dim, [(prefix_len, [member seq_lens])], [lone seq_lens])
+CASES = [
+    # GQA 4; a member whose context is exactly the prefix, one ending inside the prefix's last block,
+    # a prefix ending mid-block, a group of one without prefix, a group of 12 (several row tiles)
+    (16, 8, 2, 64, [(32, [32, 40, 77]), (0, [20]), (20, [20, 31, 60]), (48, [48 + 7 * i for i in range(12)])], [5]),
+    # GQA 1, block size 1, empty groups (the last one at row B), prefixes of 1 and many blocks
+    (1, 4, 4, 32, [(5, [5, 9]), (0, []), (1, [1, 2]), (40, [41, 40, 70, 45]), (7, [])], []),
+    # GQA 2, block size 128: prefixes that cover whole, part of and less than a decode tile; a last,
+    # empty group (as padding to a fixed group count would make)
+    (128, 4, 2, 64, [(200, [200, 230, 300]), (20, [20, 40]), (130, [260, 131]), (64, [])], [1, 129]),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}x{c[2]}")
+def test_cascade_equals_decode(backend, dtype, case, gen, nan_buffers):
+    args, groups = cascade_inputs(case, dtype, gen)
+    ref = decode_oracle(*args)
+    out = ops.cascade_attention_decode(*args, *groups, backend=backend)
+    assert out.shape == args[0].shape and out.dtype == dtype
+    check(out, ref, dtype, gen, f"cascade {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_groups_is_plain_decode(backend, gen, nan_buffers):
+    dtype = torch.float32
+    args, _ = cascade_inputs((16, 8, 2, 64, [], [1, 40, 100]), dtype, gen)
+    no_groups = (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE))
+    check(ops.cascade_attention_decode(*args, *no_groups, backend=backend), decode_oracle(*args), dtype, gen, backend)
+
+
+def test_prefix_read_through_first_member_only(gen, nan_buffers):
+    """White box: the Triton op reads a group's prefix through its first row's block table only, so the
+    other members' whole prefix blocks may point at block -1 (NaN) and the result must not change."""
+    from ops import cascade
+
+    dtype = torch.float32
+    groups = [(32, [32, 40, 77]), (20, [20, 31, 60]), (48, [50, 48, 90, 64, 70])]
+    args, (cu, prefixes) = cascade_inputs((16, 8, 2, 64, groups, [5]), dtype, gen)
+    ref = decode_oracle(*args)
+    bt = args[3].clone()
+    bounds = cu.tolist()
+    for g, (prefix, _) in enumerate(groups):
+        bt[bounds[g] + 1:bounds[g + 1], :prefix // 16] = -1
+    out = cascade.cascade_attention_decode(*args[:3], bt, *args[4:], cu, prefixes, num_chunks=2, num_splits=2)
+    check(out, ref, dtype, gen, "prefix via the first member")
+
+
+@pytest.mark.parametrize("num_chunks,num_splits", [(1, 1), (3, 2), (8, 1)])
+def test_cascade_forced_partitions(num_chunks, num_splits, gen, nan_buffers):
+    """Forced prefix chunk / suffix split counts (3: not a power of two; 8: empty chunks)."""
+    from ops import cascade
+
+    dtype = torch.float32
+    args, groups = cascade_inputs((16, 8, 2, 64, [(96, [96, 150, 100]), (16, [17, 40])], [33]), dtype, gen)
+    out = cascade.cascade_attention_decode(*args, *groups, num_chunks=num_chunks, num_splits=num_splits)
+    check(out, decode_oracle(*args), dtype, gen, f"chunks={num_chunks} splits={num_splits}")
+
+
+def test_cascade_group_rows_hint(gen, nan_buffers):
+    dtype = torch.float32
+    args, groups = cascade_inputs((16, 8, 2, 64, [(32, [40, 33]), (16, [16, 50])], []), dtype, gen)
+    ref = decode_oracle(*args)
+    for backend in BACKENDS:
+        check(ops.cascade_attention_decode(*args, *groups, backend=backend, max_group_rows=2), ref, dtype, gen, backend)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs every dtype in the tests above")
+def test_cascade_bfloat16_interpreter(gen, nan_buffers):
+    dtype = torch.bfloat16
+    args, groups = cascade_inputs((16, 8, 2, 64, [(32, [32, 45, 90]), (0, [7])], [20]), dtype, gen)
+    check(ops.cascade_attention_decode(*args, *groups, backend="triton"), decode_oracle(*args), dtype, gen, "bf16")
+
+
+def test_cascade_bad_groups(gen):
+    args, (cu, prefixes) = cascade_inputs((16, 4, 2, 32, [(32, [32, 40]), (16, [20, 30])], []), torch.float32, gen)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    with pytest.raises(ValueError, match="group_prefix_lens"):
+        ops.cascade_attention_decode(*args, cu, prefixes[:1], backend="triton")
+    with pytest.raises(ValueError, match="int32"):
+        ops.cascade_attention_decode(*args, cu.long(), prefixes.long(), backend="triton")
+    with pytest.raises(ValueError, match="never decrease"):
+        ops.cascade_attention_decode(*args, as_int([0, 3, 2]), prefixes, backend="torch")
+    with pytest.raises(ValueError, match=r"seq_lens\[2\] = 20"):
+        ops.cascade_attention_decode(*args, cu, as_int([32, 21]), backend="torch")
+    with pytest.raises(ValueError, match=r"block_tables\[2\] maps the first 16 tokens of group 1 .* block_tables\[1\]"):
+        ops.cascade_attention_decode(*args, as_int([0, 1, 3, 4]), as_int([0, 16, 0]), backend="torch")
+
+
+def test_reference_merge_is_exact_attention(gen):
+    """The reference's two building blocks against plain softmax attention, in float64 terms."""
+    from ops import reference
+
+    q = torch.randn(3, 4, 16, generator=gen)
+    k, v = torch.randn(50, 2, 16, generator=gen), torch.randn(50, 2, 16, generator=gen)
+    full = reference.attend_with_lse(q, k, v, 0.25)[0]
+    parts = [reference.attend_with_lse(q, k[a:b], v[a:b], 0.25) for a, b in ((0, 0), (0, 20), (20, 50), (50, 50))]
+    merged = parts[0]
+    for o, lse in parts[1:]:
+        merged = (reference.merge_attention(merged[0], merged[1], o, lse),
+                  torch.logaddexp(merged[1], lse))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(2, dim=1)) * 0.25
+    expect = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double().repeat_interleave(2, dim=1))
+    assert torch.allclose(full.double(), expect, atol=1e-5) and torch.allclose(merged[0].double(), expect, atol=1e-5)
+
+
+def test_registered_custom_op(gen):
+    from ops import cascade  # noqa: F401  (registers torch.ops.minipaged.cascade_attention_decode)
+
+    args, groups = cascade_inputs((8, 4, 2, 32, [(16, [16, 30])], [9]), torch.float32, gen)
+    out = torch.ops.minipaged.cascade_attention_decode(*args, *groups)
+    check(out, decode_oracle(*args), torch.float32, gen, "op")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cascade_cuda_graph(gen):
+    """One capture, replayed with other seq_lens, groups and prefix lengths of the same shapes."""
+    dtype = torch.bfloat16
+    args, (cu, prefixes) = cascade_inputs(
+        (16, 16, 8, 128, [(256, [300, 256, 900]), (32, [40, 33]), (0, [17])], [1000]), dtype, gen)
+    q, key_cache, value_cache, bt, seq_lens, scale = args
+    ops.cascade_attention_decode(*args, cu, prefixes)  # warm-up: compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.cascade_attention_decode(*args, cu, prefixes)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    # second replay: rows 0-2 as groups of 1 and 2 with shorter prefixes, shorter contexts everywhere
+    for new_lens, new_cu, new_prefixes in (([300, 256, 900, 40, 33, 17, 1000], [0, 3, 5, 6], [256, 32, 0]),
+                                           ([200, 256, 500, 40, 16, 17, 7], [0, 1, 3, 3], [0, 160, 0])):
+        seq_lens.copy_(as_int(new_lens))
+        cu.copy_(as_int(new_cu))
+        prefixes.copy_(as_int(new_prefixes))
+        out.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, decode_oracle(*args), dtype, gen, f"graph {new_cu}")
