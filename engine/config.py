@@ -1,50 +1,71 @@
 """Structured configs (registered in Hydra's ConfigStore) and their up-front validation.
 
 conf/ mirrors these dataclasses: conf/model/*.yaml fill ModelConfig, conf/cache/*.yaml CacheConfig, and
-so on; conf/job/<name>.yaml picks one of the job schemas below. Unknown keys are rejected by Hydra
-because every node is typed; `validate` checks values and names the field that is wrong.
+so on; conf/job/<name>.yaml picks one of the job schemas below. The comment beside each field is its
+description in `python -m engine.run --help` (`key_help`), so keep one there. Every node is typed, so
+unknown keys and values of the wrong type are rejected; `validate` checks values and names the field
+that is wrong.
 """
+import ast
+import dataclasses
+import difflib
+import functools
+import io
+import math
+import os
+import tokenize
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.nodes import FloatNode
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+THREADED_HIDDEN_SIZE = 1024  # below this a layer's matmuls are too small to share between CPU threads
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A problem of the input or the settings, not of the program: `python -m engine.run` prints the
+    message on one line, without a traceback, and exits with `exit_code`."""
+
+    exit_code = 1
+
+
+class ConfigError(UserError, ValueError):
     """A setting that cannot work; the message names the field."""
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
-    path: Optional[str] = None  # a Hugging Face checkpoint directory; None: random weights of the shape below
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"  # auto: CUDA when present
+    name: str = "tiny"  # a label for the model, written to summary.parquet
+    path: Optional[str] = None  # a checkpoint directory or a Hugging Face id (org/name); null: random weights of the shape below
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16; auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto | cpu | cuda; auto: CUDA when present
+    cpu_threads: Optional[int] = None  # torch threads on the CPU; null: 1, more only for hidden sizes >= 1024
     max_model_len: int = 512  # prompt + output tokens of one sequence
-    seed: int = 0  # random weights
-    vocab_size: int = 257
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    rope_theta: float = 1000000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-    initializer_range: float = 0.02
-    eos_token_id: int = 256
+    seed: int = 0  # seed of the random weights
+    vocab_size: int = 257  # random weights: tokens in the vocabulary (a checkpoint has its own shape)
+    hidden_size: int = 64  # random weights: model width
+    intermediate_size: int = 128  # random weights: MLP width
+    num_hidden_layers: int = 2  # random weights: decoder layers
+    num_attention_heads: int = 4  # random weights: query heads
+    num_key_value_heads: int = 2  # random weights: key/value heads (grouped-query attention)
+    head_dim: int = 16  # random weights: channels per attention head
+    rope_theta: float = 1000000.0  # random weights: RoPE base
+    rms_norm_eps: float = 1e-6  # random weights: RMSNorm epsilon
+    tie_word_embeddings: bool = True  # random weights: the LM head is the embedding matrix
+    initializer_range: float = 0.02  # random weights: their standard deviation
+    eos_token_id: int = 256  # random weights: the end-of-sequence token
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16
-    num_blocks: Optional[int] = None  # overrides the sizing below
+    block_size: int = 16  # tokens per KV-cache block
+    num_blocks: Optional[int] = None  # blocks in the KV pool; null: sized by kv_budget_gb, else device memory
     kv_budget_gb: Optional[float] = None  # KV memory for the pool, to compare block sizes at equal memory
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights, activations and KV
     check_invariants: bool = False  # debug: check the block manager's invariants after every step
@@ -53,19 +74,19 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: Optional[int] = None  # sequences running at once; None: the device's default (engine.py)
-    max_num_batched_tokens: Optional[int] = None  # tokens per step; None: the device's default
+    max_num_seqs: Optional[int] = None  # sequences running at once; null: the device's default (CUDA 256, CPU 64)
+    max_num_batched_tokens: Optional[int] = None  # tokens computed per step (decodes + prompt chunks); null: CUDA 16384, CPU 2048
 
 
 @dataclass
 class SamplingConfig:
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0: off
-    max_tokens: int = 64
-    ignore_eos: bool = False
-    seed: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
+    top_p: float = 1.0  # sample from the most likely tokens whose probabilities sum to top_p; 1: off
+    top_k: int = -1  # sample from the k most likely tokens; <= 0: off
+    max_tokens: int = 64  # output tokens per request, at most
+    ignore_eos: bool = False  # go on past the end-of-sequence token, up to max_tokens
+    seed: int = 0  # a request's random draws depend only on its seed and its logits
+    stop_token_ids: list[int] = field(default_factory=list)  # more token ids that end a sequence
 
 
 @dataclass
@@ -94,8 +115,8 @@ class BenchJob:
 class AnalyzeJob:
     name: str = "analyze"
     root: str = MISSING  # a sweep directory: every summary.parquet below it is one run
-    out: Optional[str] = None  # where sweep.parquet and the plots go; None: job.root
-    plots: bool = True
+    out: Optional[str] = None  # where sweep.parquet and the plots go; null: job.root
+    plots: bool = True  # write the PNG plots
 
 
 @dataclass
@@ -107,11 +128,87 @@ class Config:
     job: Any = MISSING
 
 
+JOB_SCHEMAS = {"generate": GenerateJob, "bench": BenchJob, "analyze": AnalyzeJob}  # job=<name> -> its keys
+
+
 def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
-    for name, node in (("generate", GenerateJob), ("bench", BenchJob), ("analyze", AnalyzeJob)):
+    for name, node in JOB_SCHEMAS.items():
         store.store(group="job", name=f"{name}_schema", node=node)
+
+
+@functools.cache
+def _field_comments() -> dict[str, dict[str, str]]:
+    """class name -> field -> the comment on the field's line(s) in this file."""
+    source = Path(__file__).read_text()
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
+    return {cls.name: {stmt.target.id: next((comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1)
+                                             if n in comments), "")
+                       for stmt in cls.body if isinstance(stmt, ast.AnnAssign)}
+            for cls in ast.parse(source).body if isinstance(cls, ast.ClassDef)}
+
+
+def key_help(schema: type) -> dict[str, str]:
+    """Each field of a config dataclass -> its description ("" where it has none)."""
+    return _field_comments()[schema.__name__]
+
+
+def _schema_of(owner: type, name: str, job: str | None) -> type | None:
+    """The dataclass under key `name` of `owner` (job: the schema of job=`job`); None for a leaf."""
+    if owner is Config and name == "job":
+        return JOB_SCHEMAS.get(job)
+    kind = owner.__dataclass_fields__[name].type
+    return kind if dataclasses.is_dataclass(kind) else None
+
+
+def known_keys(job: str | None, owner: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config of job=`job`, e.g. cache.block_size."""
+    keys = []
+    for f in dataclasses.fields(owner):
+        key, inner = f"{prefix}{f.name}", _schema_of(owner, f.name, job)
+        keys += known_keys(job, inner, f"{key}.") if inner else [key]
+    return keys
+
+
+def key_field(key: str, job: str | None) -> tuple[type, dataclasses.Field]:
+    """The dataclass holding dotted `key` and its field, in the config of job=`job`. ConfigError for a
+    key the schemas do not know, naming the closest known key and the keys beside it."""
+    owner, parts = Config, key.split(".")
+    for depth, part in enumerate(parts):
+        parent = ".".join(parts[:depth])
+        if owner is None:
+            raise ConfigError(f"unknown config key {key!r}: {parent} is a value, not a group of keys")
+        if part not in owner.__dataclass_fields__:
+            raise _unknown_key(key, parent, job)
+        if depth == len(parts) - 1:
+            return owner, owner.__dataclass_fields__[part]
+        owner = _schema_of(owner, part, job)
+
+
+def _unknown_key(key: str, parent: str, job: str | None) -> ConfigError:
+    everything = known_keys(job)
+    close = difflib.get_close_matches(key, everything, n=1, cutoff=0.6)
+    elsewhere = [name for name in JOB_SCHEMAS if parent == "job" and key in known_keys(name)]
+    hint = f"; it is a key of job={' and job='.join(elsewhere)}" if elsewhere else \
+        f"; did you mean {close[0]}?" if close else ""
+    if parent:
+        names = [k.removeprefix(f"{parent}.") for k in everything if k.startswith(f"{parent}.")]
+        where = f"{parent} keys of job={job}" if parent == "job" else f"{parent} keys"
+    else:
+        names, where = list(dict.fromkeys(k.split(".")[0] for k in everything)), "top-level keys"
+    return ConfigError(f"unknown config key {key!r}{hint} ({where}: {', '.join(names)})")
+
+
+def _leaves(node: DictConfig, prefix: str = ""):
+    """(dotted key, value node) of every leaf below `node`; lists are leaves."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            yield from _leaves(child, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", child
 
 
 def _check(ok: bool, field_name: str, message: str, value: Any) -> None:
@@ -120,25 +217,31 @@ def _check(ok: bool, field_name: str, message: str, value: Any) -> None:
 
 
 def check_keys(cfg) -> None:
-    """Reject keys the schemas do not know: Hydra rejects `cache.blok_size=3` itself, but lets
-    `+cache.blok_size=3` (append) through."""
-    import dataclasses
+    """Reject keys the schemas do not know (a composed config: Hydra lets `+cache.blok_size=3` through)."""
+    job = cfg.job.name if OmegaConf.is_dict(cfg.get("job")) else None
+    for key, _ in _leaves(cfg):
+        key_field(key, job)
 
-    from omegaconf import OmegaConf
 
-    def walk(node, schema, prefix: str) -> None:
-        known = {f.name: f for f in dataclasses.fields(schema)}
-        for key in node.keys():
-            if key not in known:
-                where = f"{prefix}.{key}" if prefix else key
-                raise ConfigError(f"unknown config key {where!r}; {prefix or 'top-level'} keys: {sorted(known)}")
-            child = node._get_node(key)
-            child_type = OmegaConf.get_type(child) if OmegaConf.is_config(child) else None
-            if OmegaConf.is_dict(child) and child_type is not None and dataclasses.is_dataclass(child_type):
-                walk(child, child_type, f"{prefix}.{key}" if prefix else key)
+def check_finite(cfg) -> None:
+    """No float key has a use for inf or nan (not a temperature, a share of memory, a budget, an interval)."""
+    for key, node in _leaves(cfg):
+        value = OmegaConf.select(cfg, key) if isinstance(node, FloatNode) else None
+        if value is not None:
+            _check(math.isfinite(value), key, "must be a finite number", value)
 
-    schema = OmegaConf.get_type(cfg)
-    walk(cfg, schema if schema is not None and dataclasses.is_dataclass(schema) else Config, "")
+
+def cpu_threads(model_cfg, hidden_size: int) -> int:
+    """Torch threads for a model of `hidden_size` on the CPU: model.cpu_threads when set, else 1 below
+    THREADED_HIDDEN_SIZE (on the tiny default, OpenMP's fork/join and spin-waits cost more than its small
+    matmuls gain: with 2 threads on a busy 2-core machine the default job took 0.2 s to 25 s, with 1 about
+    0.4 s), else about one per 256 channels (Qwen3-0.6B: 4), never more than the cores this process may use."""
+    if model_cfg.cpu_threads is not None:
+        return model_cfg.cpu_threads
+    if hidden_size < THREADED_HIDDEN_SIZE:
+        return 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(usable, hidden_size // 256))
 
 
 def check_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
@@ -154,9 +257,11 @@ def check_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
 def validate(cfg) -> None:
     """Raise ConfigError naming the first field whose value cannot work."""
     check_keys(cfg)
+    check_finite(cfg)
     m, c, s, p = cfg.model, cfg.cache, cfg.scheduler, cfg.sampling
     _check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}", m.dtype)
     _check(m.device in DEVICES, "model.device", f"must be one of {DEVICES}", m.device)
+    _check(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
     _check(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
     _check(c.block_size >= 1, "cache.block_size", "must be >= 1", c.block_size)
     _check(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import torch
 
 from engine.block_manager import KVBlockManager, blocks_needed, extend_block_hashes
-from engine.config import ConfigError
+from engine.config import ConfigError, cpu_threads
 from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model
@@ -58,6 +58,8 @@ class LLMEngine:
         self.max_model_len = cfg.model.max_model_len
         self.device, self.dtype = resolve_device(cfg.model)
         self.model, self.eos_token_ids = build_model(cfg.model, self.device, self.dtype)
+        if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
+            torch.set_num_threads(cpu_threads(cfg.model, self.model.arch.hidden_size))
         self.tokenizer = load_tokenizer(cfg.model)
         self.block_size = cfg.cache.block_size
         self.prefix_caching = cfg.cache.enable_prefix_caching

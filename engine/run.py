@@ -1,27 +1,160 @@
-"""Entry point: `python -m engine.run job=<name> [overrides]` runs jobs/<name>.py in Hydra's run directory."""
-import importlib
-import logging
+"""Entry point: `python -m engine.run job=<name> [overrides]` runs jobs/<name>.py in Hydra's run directory.
+
+A problem of the input or the settings (engine.config.UserError, which the jobs' JobError is) prints one
+line, `error: ...`, and exits with its exit code; so does Ctrl-C outside a job's own handling of it (exit
+130). The overrides are checked against the schemas before Hydra composes them, so that an unknown key or
+a value of the wrong type gets our message (the closest key, the key's type) rather than Hydra's.
+"""
 import sys
 
-import hydra
-from omegaconf import DictConfig
+STARTUP_INTERRUPTED = "interrupted during start-up: nothing was saved"
 
-from engine.config import ConfigError, register_configs, validate
-from jobs import JobError
 
-log = logging.getLogger("minipaged")
+def fail(message: str, exit_code: int):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(exit_code)
+
+
+try:  # Ctrl-C while Python imports Hydra is start-up too
+    import dataclasses
+    import importlib
+    import json
+    import os
+    import typing
+    from pathlib import Path
+
+    import hydra
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Override, Transformer
+    from hydra.errors import OverrideParseException
+    from omegaconf import OmegaConf, ValidationError
+
+    from engine.config import Config, ConfigError, UserError, key_field, key_help, register_configs, validate
+except KeyboardInterrupt:
+    fail(STARTUP_INTERRUPTED, 130)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+GROUPS = [f.name for f in dataclasses.fields(Config)]  # conf/<group>/*.yaml: model, cache, scheduler, sampling, job
+KINDS = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}
+
+
+def group_options(group: str) -> dict[str, str]:
+    """conf/<group>/<option>.yaml -> the first line of the comment that opens the file."""
+    options = {}
+    for file in sorted((CONF_DIR / group).glob("*.yaml")):
+        head = [line for line in file.read_text().splitlines()[:1] if line.startswith("#")]
+        options[file.stem] = head[0].lstrip("#").strip() if head else ""
+    return options
+
+
+def default_option(group: str) -> str:
+    """The option conf/config.yaml's defaults list picks for `group`."""
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
+    return next(entry[group] for entry in defaults if isinstance(entry, dict) and group in entry)
+
+
+def _values(override: Override) -> list:
+    """The value(s) an override sets: one, or each of a sweep's (none for a sweep we cannot list)."""
+    if not override.is_sweep_override():
+        return [override.value()]
+    return list(override.sweep_iterator(Transformer.encode)) if override.is_discrete_sweep() else []
+
+
+def _kind(annotation) -> str:
+    args = typing.get_args(annotation)
+    if type(None) in args:
+        return f"{_kind(next(a for a in args if a is not type(None)))} or null"
+    return "a list such as [1, 2]" if typing.get_origin(annotation) is list else KINDS.get(annotation, str(annotation))
+
+
+def check_overrides(args: list[str]) -> None:
+    """ConfigError for what Hydra would reject in these command-line overrides: an unknown key (with the
+    closest known one, as key=value and as +key=value alike), a known key appended with +, a value of the
+    wrong type, an option that a config group does not have. Hydra reports syntax errors itself."""
+    try:
+        overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(args)[0].overrides)
+    except OverrideParseException:
+        return
+    jobs = next((_values(o) for o in overrides if o.key_or_group == "job"), [default_option("job")])
+    for override in overrides:
+        key = override.key_or_group
+        if override.is_hydra_override() or override.package is not None or override.is_delete():
+            continue
+        if key in GROUPS:
+            unknown = [v for v in _values(override) if v not in group_options(key)]
+            if unknown:
+                raise ConfigError(f"{key}: no option {unknown[0]!r}; options: {', '.join(group_options(key))}")
+            continue
+        for job in jobs:
+            owner, field = key_field(key, job)
+            if override.is_add():
+                raise ConfigError(f"{key} is a known key: set it without the +, as {key}=...")
+            for value in _values(override):
+                try:
+                    setattr(OmegaConf.structured(owner), field.name, value)  # OmegaConf's conversions, as Hydra's
+                except ValidationError:
+                    raise ConfigError(f"{key} must be {_kind(field.type)}, got {value!r}") from None
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def help_text(cfg) -> str:
+    """The generated part of `--help`: the options of each config group that has several (with the first
+    line of their YAML's comment), then every key of the composed config with its value and the comment
+    beside its field in engine/config.py. `job=bench --help` lists bench's keys."""
+    chosen = OmegaConf.select(cfg, "hydra.runtime.choices", default={})
+    options = [(f"{group}={name}", text + ("  (chosen)" if chosen.get(group) == name else ""))
+               for group in sorted(GROUPS, key=lambda g: g != "job") if len(group_options(group)) > 1
+               for name, text in group_options(group).items()]
+    sections = []
+    for group in GROUPS:
+        described = key_help(OmegaConf.get_type(cfg[group]))
+        values = OmegaConf.to_container(cfg[group], resolve=False)
+        sections.append([(f"{group}.{key}={_text(value)}", described[key]) for key, value in values.items()
+                         if (group, key) != ("job", "name")])  # job=NAME sets it
+    width = min(40, max(len(setting) for setting, _ in options + sum(sections, [])))
+
+    def rows(pairs: list[tuple[str, str]]) -> str:
+        return "\n".join(f"  {setting:<{width}}  {text}".rstrip() for setting, text in pairs)
+
+    blocks = [f"Config groups (GROUP=NAME):\n{rows(options)}",
+              f"Keys (KEY=VALUE), with the values of this configuration:\n{rows(sections[0])}", *map(rows, sections[1:])]
+    return "\n\n".join(blocks).replace("$", "$$")  # Hydra's help template is a string.Template
+
+
 register_configs()
+OmegaConf.register_new_resolver("minipaged_help", lambda *, _root_: help_text(_root_), replace=True)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
+def run_job(cfg) -> None:
+    """Hydra's task. Errors are reported here: Hydra prints a traceback for any exception its task raises."""
+    started = False
     try:
         validate(cfg)
-        importlib.import_module(f"jobs.{cfg.job.name}").run(cfg)
-    except (ConfigError, JobError) as err:  # a problem of the input or the settings: one line, no traceback
-        log.error("%s", err)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(getattr(err, "exit_code", 1))
+        job = importlib.import_module(f"jobs.{cfg.job.name}")
+        started = True
+        job.run(cfg)
+    except UserError as err:
+        fail(str(err), err.exit_code)
+    except KeyboardInterrupt:  # a job that saves results handles Ctrl-C itself and raises a UserError
+        fail(f"interrupted: job={cfg.job.name} stopped before it finished" if started else STARTUP_INTERRUPTED, 130)
+
+
+def main() -> None:
+    try:
+        check_overrides(sys.argv[1:])
+        run_job()
+    except UserError as err:
+        fail(str(err), err.exit_code)
+    except KeyboardInterrupt:
+        fail(STARTUP_INTERRUPTED, 130)
+    except BrokenPipeError:  # `--help | head`: the reader has gone; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """Tokenizers: a checkpoint's own, or a byte-level one (256 byte tokens + <|endoftext|>) for random models."""
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from engine.config import ConfigError
+from engine.models.loader import resolve_model_path
+
 ENDOFTEXT = "<|endoftext|>"
 
 
@@ -16,6 +19,11 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(model_cfg):
-    if model_cfg.path:
-        return AutoTokenizer.from_pretrained(model_cfg.path)
-    return byte_level_tokenizer()
+    """The tokenizer of model.path's checkpoint (the directory build_model loads), else the byte-level one."""
+    path = resolve_model_path(model_cfg)
+    if path is None:
+        return byte_level_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as err:  # tokenizers and transformers raise many kinds for a broken file
+        raise ConfigError(f"model.path: cannot load the tokenizer in {path} ({type(err).__name__}: {err})") from None

@@ -1,0 +1,52 @@
+"""A broken checkpoint directory stops the job with a message naming the file and what is wrong with it."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.models.loader import build_model
+from engine.tokenizer import load_tokenizer
+
+
+def edit_config(**changes):
+    def edit(path):
+        config = json.loads((path / "config.json").read_text())
+        config.update(changes)
+        (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not ...}))
+    return edit
+
+
+def write(name: str, data: bytes):
+    return lambda path: (path / name).write_bytes(data)
+
+
+def truncate(name: str):
+    return lambda path: (path / name).write_bytes((path / name).read_bytes()[:1000])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (write("config.json", b'{"hidden_size": 96,, }'), r"config.json is not valid JSON \(Expecting property name"),
+    (write("config.json", b"[96, 192]"), r"config.json holds a JSON list, not an object"),
+    (edit_config(hidden_size=..., num_hidden_layers=...), r"config.json lacks hidden_size, num_hidden_layers$"),
+    (edit_config(hidden_size="96", head_dim=0, rms_norm_eps=float("inf")),
+     r"config.json has impossible values: hidden_size='96', head_dim=0, rms_norm_eps=inf$"),
+    (edit_config(model_type="llama"), r"config.json describes a 'llama' model; only qwen3 is supported"),
+    (edit_config(intermediate_size=128), r"model.safetensors holds model.layers.0.mlp.down_proj.weight of shape "
+                                         r"\(96, 192\), which does not fit the shape config.json gives the model"),
+    (write("model.safetensors", b"\x00" * 64), r"cannot read the weights in .*model.safetensors \(.*\)"),
+    (truncate("model.safetensors"), r"cannot read the weights in .*model.safetensors \(.*\)"),
+])
+def test_a_broken_checkpoint_is_named(qwen3_checkpoint, tmp_path, make_config, damage, message):
+    path = shutil.copytree(qwen3_checkpoint[0], tmp_path / "ckpt")
+    damage(path)
+    with pytest.raises(ConfigError, match=r"^model.path: .*" + message):
+        build_model(make_config(f"model.path={path}").model, torch.device("cpu"), torch.float32)
+
+
+def test_a_broken_tokenizer_is_named(qwen3_checkpoint, tmp_path, make_config):
+    path = shutil.copytree(qwen3_checkpoint[0], tmp_path / "ckpt")
+    (path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "nonsense"}}')
+    with pytest.raises(ConfigError, match=r"^model.path: cannot load the tokenizer in .*ckpt \("):
+        load_tokenizer(make_config(f"model.path={path}").model)
