@@ -37,8 +37,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _forward(self, size: int) -> torch.Tensor:
-        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-                                 seq_lens=self.seq_lens[:size], cu_seqlens_q=None, num_decode_seqs=size)
+        meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size])
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
 
     def fits(self, batch_size: int) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
@@ -43,20 +43,19 @@ class ModelRunner:
         n = batch.num_decode_seqs
         input_ids = np.concatenate([np.array([s.last_token for s in batch.seqs[:n]], dtype=np.int64)] + [
             s.token_slice(a, a + c) for s, a, c in zip(batch.seqs[n:], starts[n:].tolist(), counts[n:].tolist())])
-        block_tables = self.block_manager.get_block_table_tensor([s.seq_id for s in batch.seqs]).numpy()
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(batch.slot_mapping),
-            block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device((starts + counts).astype(np.int32)),
-            cu_seqlens_q=self._to_device(cu_seqlens[n:] - n) if n < len(batch.seqs) else None,
-            num_decode_seqs=n,
-            max_seqlen_q=int(counts.max()),
-        )
+        tables = self.block_manager.get_block_table_tensor([s.seq_id for s in batch.seqs]).numpy()
+        seq_lens = (starts + counts).astype(np.int32)
+        prefill = None
+        if n < len(batch.seqs):
+            prefill = PrefillMetadata(self._to_device(tables[n:]), self._to_device(seq_lens[n:]),
+                                      self._to_device(cu_seqlens[n:] - n))
+        meta = AttentionMetadata(self._to_device(batch.slot_mapping), self._to_device(tables[:n]),
+                                 self._to_device(seq_lens[:n]), prefill)
         sampled_rows = self._to_device(cu_seqlens[1:][np.array(batch.draws, dtype=bool)].astype(np.int64) - 1)
         return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, sampled_rows
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.decode_only and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
+        if meta.prefill is None and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_cache, meta)
 
@@ -133,8 +132,9 @@ def kv_bytes_left(model: Qwen3ForCausalLM, device, utilization: float, max_token
     tables = torch.full((num_seqs, int(counts.max())), -1, dtype=torch.int32, device=device)
     for b, (start, n) in enumerate(zip(cu_seqlens[:-1].tolist(), counts.tolist())):
         tables[b, :n] = slots[start:start + n]
-    meta = AttentionMetadata(slots, tables, torch.from_numpy(counts.astype(np.int32)).to(device),
-                             torch.from_numpy(cu_seqlens).to(device), num_decode_seqs=0, max_seqlen_q=int(counts.max()))
+    no_decodes = torch.zeros(0, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(slots, no_decodes.reshape(0, tables.shape[1]), no_decodes, PrefillMetadata(
+        tables, torch.from_numpy(counts.astype(np.int32)).to(device), torch.from_numpy(cu_seqlens).to(device)))
     input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
     positions = torch.from_numpy(np.arange(max_tokens) - np.repeat(cu_seqlens[:-1], counts)).to(device)
     hidden = model(input_ids, positions, warm_cache, meta)

@@ -265,7 +265,7 @@ def test_gumbel_sample_of_all_minus_inf_rows_is_zero():
 # --- the model with the Triton backend -----------------------------------------------------
 def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
     """The tiny Qwen3 forward (prefill) with the fused ops on Triton vs on torch (float32)."""
-    from engine.attention import AttentionMetadata
+    from engine.attention import AttentionMetadata, PrefillMetadata
     from engine.kv_cache import PagedKVCache
     from engine.models.qwen3 import Qwen3Arch, Qwen3ForCausalLM
     from ops import fused
@@ -284,10 +284,10 @@ def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
     block_tables = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=DEVICE)
     slots = torch.tensor([0, 1, 2, 3, 4, 8, 9, 10], dtype=torch.int32, device=DEVICE)
-    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-                             cu_seqlens_q=torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE),
-                             num_decode_seqs=0, max_seqlen_q=5)
+    no_decodes = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    meta = AttentionMetadata(slots, no_decodes.reshape(0, 2), no_decodes, PrefillMetadata(
+        block_tables, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE)))
     outs = {}
     for backend in BACKENDS:
         monkeypatch.setattr(ops, "_pick_fused", lambda _, __, b=backend: fused if b == "triton" else ops.fused_reference)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager
 from engine.kv_cache import PagedKVCache
 from engine.models.loader import build_model
@@ -17,12 +17,12 @@ BLOCK = 4
 def metadata(manager, seq_ids, starts, counts, slots, num_decode):
     """The step's metadata for sequences that compute counts[i] tokens from starts[i]."""
     cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots),
-        block_tables=manager.get_block_table_tensor(seq_ids),
-        seq_lens=torch.tensor([a + n for a, n in zip(starts, counts)], dtype=torch.int32),
-        cu_seqlens_q=torch.from_numpy(cu[num_decode:] - num_decode) if num_decode < len(seq_ids) else None,
-        num_decode_seqs=num_decode, max_seqlen_q=max(counts))
+    tables = manager.get_block_table_tensor(seq_ids)
+    seq_lens = torch.tensor([a + n for a, n in zip(starts, counts)], dtype=torch.int32)
+    prefill = None
+    if num_decode < len(seq_ids):
+        prefill = PrefillMetadata(tables[num_decode:], seq_lens[num_decode:], torch.from_numpy(cu[num_decode:] - num_decode))
+    return AttentionMetadata(torch.from_numpy(slots), tables[:num_decode], seq_lens[:num_decode], prefill)
 
 
 def positions_of(starts, counts):
