@@ -23,6 +23,13 @@ for phase in ("prefill", "mixed", "decode"):
     sel = [r for r in rows if r["phase"] == phase]
     print(f"{phase}: {len(sel)} steps, {sum(r['step_time_s'] for r in sel):.3f} s, {sum(r['tokens'] for r in sel)} tokens")
 print("slowest steps:", [(r["step"], r["phase"], r["seqs"], round(r["step_time_s"] * 1e3, 1)) for r in sorted(rows, key=lambda r: -r["step_time_s"])[:8]])
+import numpy as np  # step time as fixed + per decode row + per prefill token + per stored token (steps under 0.5 s)
+for phase in ("mixed", "decode"):
+    sel = [r for r in rows if r["phase"] == phase and r["step_time_s"] < 0.5]
+    if len(sel) > 4:
+        X = np.array([[1, r["num_decode_seqs"], r["num_prefill_tokens"], r["logical_tokens"] / 1e6] for r in sel], float)
+        c = np.linalg.lstsq(X, np.array([r["step_time_s"] * 1e3 for r in sel]), rcond=None)[0]
+        print(f"{phase} fit: ms = {c[0]:.2f} + {c[1]:.4f}/decode row + {c[2]:.5f}/prefill token + {c[3]:.2f}/M stored tokens")
 # decode time by batch size, against reading each step's K/V once at the H200's copy speed
 kv_s = lambda r: r["logical_tokens"] * summary["kv_budget_bytes"] / summary["kv_slots"] / 4.26e12
 edges = [1, 9, 17, 33, 65, 129, 193, 257]
@@ -37,9 +44,9 @@ PY
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 want tests && python3 -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -25 | tee "$out/tests.log"
 want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp $runs/nano/steps.parquet "$out/nano_steps.parquet"; }
-want long && { bench long job.workload=long; steps $runs/long/steps.parquet; }
+want long && { bench long job.workload=long; steps $runs/long/steps.parquet; cp $runs/long/steps.parquet "$out/long_steps.parquet"; }
 want topp && { bench long_topp job.workload=long sampling.top_p=0.95 sampling.top_k=20; steps $runs/long_topp/steps.parquet; }
-want shared && { bench shared job.workload=shared_prefix; steps $runs/shared/steps.parquet; }
+want shared && { bench shared job.workload=shared_prefix; steps $runs/shared/steps.parquet; cp $runs/shared/steps.parquet "$out/shared_steps.parquet"; }
 want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"
 if want baseline; then
   bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
