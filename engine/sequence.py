@@ -23,13 +23,26 @@ class Status(Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """What a request asks for. The one schema of sampling settings: the sampling.* config keys and the
+    per-row input columns are these fields."""
+
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's; 0: off
     max_tokens: int = 64
+    min_tokens: int = 0  # EOS and stop ids cannot end the output before this many tokens
     ignore_eos: bool = False
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one it contains
+    include_stop_str_in_output: bool = False
+    n: int = 1  # samples per prompt; sample i draws with a seed derived from (seed, i)
+    logprobs: int | None = None  # k: the log-probability of each output token, and k > 0: the k most likely
+    prompt_logprobs: int | None = None  # the same for the prompt tokens
+    repetition_penalty: float = 1.0  # transformers' definition, over prompt and output tokens; 1: off
+    presence_penalty: float = 0.0  # OpenAI's definition, over output tokens; 0: off
+    frequency_penalty: float = 0.0  # OpenAI's definition, over output tokens; 0: off
 
 
 @dataclass(eq=False)
