@@ -150,8 +150,8 @@ class LLM:
 
     def check_chat_template(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError(f"model {self.cfg.model.name!r} has no chat template (its tokenizer sets none); "
-                              f"use generate() with plain prompts")
+            raise ConfigError(f"model {self.cfg.model.name!r} has no chat template (its tokenizer sets none), "
+                              f"which conversations need")
 
     def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None) -> list[RequestOutput]:
         if isinstance(sampling_params, Sequence):
@@ -186,15 +186,14 @@ class LLM:
         if self._abandoned:  # finish what an abandoned stream left queued; its results are dropped
             for _ in self.engine.run():
                 pass
-        pending, live, keys = iter(requests), {}, 0
+        live: dict[str, Request] = {}  # the engine's request id (unique in this stream) -> request
         self._abandoned = True
-        for request in pending:
-            result = self._admit(request, str(keys), chat_template_kwargs)
+        for n, request in enumerate(requests):
+            result = self._admit(request, str(n), chat_template_kwargs)
             if result is not None:
                 yield result
                 continue
-            live[str(keys)] = request
-            keys += 1
+            live[str(n)] = request
             while len(live) >= window:
                 for seq in self.engine.step():
                     yield self._result(live.pop(seq.request_id), seq)

@@ -124,7 +124,8 @@ def final_batches(source: InputFiles, columns: Columns) -> Iterator[pa.RecordBat
     names = ([columns.id] if columns.id else []) + columns.keep
     if not names:  # nothing to read from the input
         for lo in range(0, source.num_rows, BATCH_ROWS):
-            yield pa.RecordBatch.from_pydict({"id": pa.array(range(lo, min(lo + BATCH_ROWS, source.num_rows)), pa.int64())})
+            ids = range(lo, min(lo + BATCH_ROWS, source.num_rows))
+            yield pa.RecordBatch.from_pydict({"id": pa.array(ids, pa.int64())})
         return
     lo = 0
     for batch in source.batches(names, BATCH_ROWS):
@@ -141,7 +142,7 @@ def open_input(job) -> tuple[InputFiles, Columns, pa.DataType]:
     """The input files, what each column is, and the ids' type; JobError if the input cannot be used."""
     source = InputFiles(job.input if job.input is not None else str(SAMPLE_INPUT))
     columns = plan_columns(job, source, reserved=set(generations_schema(pa.int64()).names))
-    return source, columns, check_ids(source, columns.id, BATCH_ROWS)
+    return source, columns, check_ids(source, columns.id)
 
 
 def generate(llm: LLM, requests: Iterator[Request], writer: ResultWriter, total: int) -> dict:

@@ -62,7 +62,8 @@ def test_keep_columns_chooses_the_columns_carried(make_config, tmp_path, one_thr
     assert open_input(job(path))[1].keep == ["tag", "score"]
     assert open_input(job(path, ["score"]))[1].keep == ["score"]
     assert open_input(job(path, []))[1].keep == []
-    out = pq.read_table(run(make_config, tmp_path / "run", f"job.input={path}", "job.keep_columns=[score]") / "generations.parquet")
+    out = run(make_config, tmp_path / "run", f"job.input={path}", "job.keep_columns=[score]") / "generations.parquet"
+    out = pq.read_table(out)
     assert out.column_names[-1] == "score" and "tag" not in out.column_names
     assert out["score"].to_pylist() == [r["score"] for r in ROWS]
     with pytest.raises(JobError, match=r"job.keep_columns: 'nope' is not an input column other than the id and prompt; "
@@ -161,8 +162,9 @@ def test_an_openai_batch_file_in_and_out(make_config, chat_checkpoint, tmp_path,
         choice = body["choices"][0]
         assert choice["message"] == {"role": "assistant", "content": want.outputs[0].text}
         assert choice["finish_reason"] == "length" and choice["index"] == 0
-        assert body["usage"] == {"prompt_tokens": len(want.prompt_token_ids), "completion_tokens": len(want.outputs[0].token_ids),
-                                 "total_tokens": len(want.prompt_token_ids) + len(want.outputs[0].token_ids)}
+        prompt, completion = len(want.prompt_token_ids), len(want.outputs[0].token_ids)
+        assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
     assert results[2]["response"] == {"status_code": 400, "request_id": "minipaged-batch-2", "body": None}
     assert results[2]["error"] == "url '/v1/embeddings' is not supported, only /v1/chat/completions"
     assert results[3]["error"] == "max_tokens 2.5 is not a valid int"
@@ -175,5 +177,6 @@ def test_an_openai_batch_file_in_and_out(make_config, chat_checkpoint, tmp_path,
 
 def test_an_openai_batch_needs_a_chat_template(make_config, tmp_path):
     path = write_jsonl(tmp_path / "batch.jsonl", [batch_line("a", CONVERSATIONS[0])])
-    with pytest.raises(JobError, match=r"job.input is an OpenAI batch \(conversations\), but model 'tiny' has no chat template"):
+    with pytest.raises(JobError, match=r"job.input is an OpenAI batch \(conversations\), but model 'tiny' has no "
+                                       r"chat template"):
         run(make_config, tmp_path / "run", f"job.input={path}")
