@@ -1,1 +1,18 @@
-"""MiniPaged: offline batch generation for Qwen3 around a paged KV cache."""
+"""MiniPaged: offline batch generation for Qwen3 around a paged KV cache.
+
+    from engine import LLM, SamplingParams      # the Python API (engine/llm.py)
+
+The names below are imported when first used, so that `import engine.config` (and `python -m engine.run
+--help`) does not load torch and transformers.
+"""
+import importlib
+
+_EXPORTS = {"LLM": "engine.llm", "Request": "engine.llm", "RequestOutput": "engine.llm",
+            "CompletionOutput": "engine.llm", "SamplingParams": "engine.sequence", "RequestError": "engine.engine"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

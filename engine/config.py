@@ -92,9 +92,11 @@ class SamplingConfig:
 @dataclass
 class GenerateJob:
     name: str = "generate"
-    input: Optional[str] = None  # None: the sample prompts shipped in jobs/
+    input: Optional[str] = None  # a Parquet/JSONL file, directory or glob; None: the sample prompts shipped in jobs/
     prompt_column: str = "prompt"
     id_column: Optional[str] = None  # None: column "id" when the input has one, else row numbers
+    keep_columns: Optional[list[str]] = None  # input columns carried to the output; None: all
+    output_format: str = "parquet"  # parquet: generations.parquet | openai: generations.jsonl, OpenAI batch output
     flush_every: int = 256  # finished rows per Parquet part
     flush_interval_s: float = 60.0  # also flush when the oldest unsaved row is this old (0: off)
 
@@ -281,6 +283,9 @@ def validate(cfg) -> None:
         _check(j.flush_interval_s >= 0, "job.flush_interval_s", "must be >= 0", j.flush_interval_s)
         _check(bool(j.prompt_column), "job.prompt_column", "must name a column", j.prompt_column)
         _check(j.id_column is None or bool(j.id_column), "job.id_column", "must name a column or be null", j.id_column)
+        _check(j.input is None or bool(j.input.strip()), "job.input",
+               "is empty: give a Parquet or JSONL file, a directory or a glob (or leave it unset for the sample)", j.input)
+        _check(j.output_format in ("parquet", "openai"), "job.output_format", "must be 'parquet' or 'openai'", j.output_format)
     if cfg.job.name == "bench":
         for key in ("input_len", "output_len"):
             lo_hi = list(cfg.job[key])

@@ -26,7 +26,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from engine.parquet import SCHEMA_VERSIONS, schema_config, schema_version, write_atomic
+from jobs.parquet import SCHEMA_VERSIONS, schema_config, schema_version, write_atomic
 from jobs import JobError
 
 log = logging.getLogger("minipaged")

@@ -1,36 +1,105 @@
-"""What every generating job does: drive the engine with a progress bar, then write steps.parquet and
-summary.parquet in the run directory."""
+"""What every generating job does: hold its run directory, drive the engine with a progress bar, then write
+steps.parquet and summary.parquet in the run directory."""
+import contextlib
+import fcntl
 import logging
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from tqdm import tqdm
 
 from engine.engine import LLMEngine
-from engine.parquet import write_atomic
 from engine.sequence import Sequence
+from jobs import JobError
+from jobs.parquet import OutputError, write_atomic
 
 log = logging.getLogger("minipaged")
+LOCK_NAME = ".minipaged.lock"
 
 
 def run_dir() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
+def run_dir_problem(directory: Path) -> str | None:
+    """Why `directory` cannot be (made) a writable directory; None if it can."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if not existing.is_dir():
+        return "is a file, not a directory" if existing == directory else f"cannot be created: {existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return "is not writable" if existing == directory else f"cannot be created in {existing} (not writable)"
+    return None
+
+
+class RunDirCheck(Callback):
+    """Hydra callback (conf/config.yaml): before Hydra creates hydra.run.dir and writes into it, stop with one
+    line when it cannot be a writable directory (Hydra would fail with a traceback)."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        directory = Path(config.hydra.run.dir)
+        problem = run_dir_problem(directory)
+        if problem:
+            print(f"error: hydra.run.dir {directory} {problem}", file=sys.stderr)
+            raise SystemExit(1)
+
+
+@contextlib.contextmanager
+def run_lock(directory: Path) -> Iterator[None]:
+    """Hold <directory>/.minipaged.lock (flock) while inside: a second run on the same directory stops at
+    once. The kernel drops the lock when the holder dies, even by SIGKILL; the file itself stays."""
+    path = directory / LOCK_NAME
+    try:
+        file = open(path, "a+")
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+    with file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "?"
+            raise JobError(f"{directory} is in use by another run (pid {holder}); wait for it to end or use "
+                           f"another hydra.run.dir") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"{os.getpid()}\n")
+        file.flush()
+        yield
+
+
+class Progress:
+    """A progress bar over finished requests, with the output tokens per second so far."""
+
+    def __init__(self, total: int | None):
+        self.bar = tqdm(total=total, unit="req", desc="generate", dynamic_ncols=True)
+        self.output_tokens = 0
+
+    def finished(self, output_tokens: int) -> None:
+        self.output_tokens += output_tokens
+        self.bar.update(1)
+        self.bar.set_postfix(out_tok_s=f"{self.output_tokens / max(self.bar.format_dict['elapsed'], 1e-9):.0f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def drive(engine: LLMEngine, total: int, on_finish: Callable[[Sequence], None]) -> int:
     """Run the engine to completion; on_finish sees each sequence as it finishes. Returns output tokens."""
-    output_tokens = 0
     engine.stats.restart_clock()  # time the generate loop, not the set-up before it
-    with tqdm(total=total, unit="req", desc="generate", dynamic_ncols=True) as bar:
+    progress = Progress(total)
+    try:
         for seq in engine.run():
             on_finish(seq)
-            output_tokens += len(seq.output_token_ids)
-            bar.update(1)
-            bar.set_postfix(out_tok_s=f"{output_tokens / max(bar.format_dict['elapsed'], 1e-9):.0f}")
-    return output_tokens
+            progress.finished(len(seq.output_token_ids))
+    finally:
+        progress.close()
+    return progress.output_tokens
 
 
 def run_summary(engine: LLMEngine, cfg, num_requests: int, num_errors: int, prompt_tokens: int, output_tokens: int) -> dict:

@@ -1,39 +1,63 @@
-"""Crash-safe, resumable generations output.
+"""Crash-safe, resumable generations output, and the final file, written without holding all the rows.
 
-Finished rows are flushed, a batch at a time, to Parquet parts in <run dir>/generations.parts/
-(part-000000.parquet, ...). Each part is written to a hidden temporary file and renamed, so a part
-either exists whole or not at all; a temporary file left by a kill is ignored (and removed) on the next
-start. A job started again in the same run directory reads the ids of the parts first and skips them,
-after checking that the parts were written with the same settings (model, sampling, input). finalize()
-merges the parts into generations.parquet: one row per input id, in input order, written atomically.
+Parts. Finished rows are flushed, job.flush_every at a time (or once the oldest unsaved row is
+job.flush_interval_s old), to <run dir>/generations.parts/part-NNNNNN.parquet, each written atomically
+(jobs/parquet.py). A part row is one input row's result with its input row number (`row`); ids and carried
+input columns are not stored: the final file takes them from the input. Each part's metadata holds the
+run's config and the input's fingerprint (jobs/inputs.py).
+
+Resume. A run started again in the same directory checks each part's settings and input fingerprint
+against its own, then reads the parts' `row` columns into `saved`: one int32 per input row, the index of
+the part that holds it, -1 if none (4 MB for a million rows). Those rows are not computed again; a row
+found in two parts keeps the first.
+
+Finalize. The final file is written in input order, one batch of input rows at a time: the input is read
+again (id and carried columns) in batches, saved[lo:hi] names the parts that hold rows [lo, hi), each of
+them is read (a small cache keeps the last few, since consecutive batches mostly share parts), its rows in
+[lo, hi) are taken and sorted by row, and the batch goes to the output with the input's columns beside it.
+Memory: one batch of results and the cached parts, whatever the number of rows. The job admits rows in
+input order into a bounded window, so rows finish nearly in order and a part spans a narrow range of rows;
+a part holding a straggler is read once more for each batch it has rows in. The output is written to a
+temporary file and renamed: generations.parquet (job.output_format=parquet) or generations.jsonl in the
+OpenAI batch output format (job.output_format=openai), one line per request as `vllm run-batch` writes.
 """
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.parquet import META_CONFIG, write_atomic
 from jobs import JobError
+from jobs.inputs import fingerprint_change
+from jobs.parquet import META_CONFIG, OutputError, atomic_path, schema_with_metadata, write_atomic
 
 log = logging.getLogger("minipaged")
 PART_GLOB = "part-*.parquet"
+META_INPUT = b"minipaged.input"
+CACHED_PARTS = 8
 
 # The settings that decide what a row's output is: parts written under other values cannot be mixed in.
 # Left out: model.device (auto/cuda name the same device), cache.*, scheduler.* (placement and batching
-# do not change greedy outputs, and a smaller pool is a natural fix to retry with), job.flush_*.
+# do not change greedy outputs, and a smaller pool is a natural fix to retry with), job.flush_*, and what
+# only shapes the final file (job.keep_columns, job.output_format).
 OUTPUT_SETTINGS = ("model", "sampling", "job.input", "job.prompt_column", "job.id_column")
 IGNORED_SETTINGS = ("model.device",)
 
+RESULT_FIELDS = [
+    ("prompt", pa.string()), ("output_text", pa.string()), ("output_token_ids", pa.list_(pa.int32())),
+    ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("error", pa.string()),
+]
+PART_SCHEMA = pa.schema([("row", pa.int64()), *RESULT_FIELDS])
 
-def generations_schema(id_type: pa.DataType) -> pa.Schema:
-    return pa.schema([
-        ("id", id_type), ("prompt", pa.string()), ("output_text", pa.string()),
-        ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()),
-        ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("error", pa.string()),
-    ])
+
+def generations_schema(id_type: pa.DataType, kept: list[pa.Field] = ()) -> pa.Schema:
+    """generations.parquet: id, the result columns, then the input columns carried along."""
+    return pa.schema([("id", id_type), *RESULT_FIELDS, *kept])
 
 
 def _flatten(tree, prefix: str = "") -> dict:
@@ -53,51 +77,63 @@ def output_settings(config: dict) -> dict:
 
 
 class ResultWriter:
-    def __init__(self, run_dir: Path, id_type: pa.DataType, flush_every: int, cfg=None,
-                 flush_interval_s: float = 0.0):
+    def __init__(self, run_dir: Path, num_rows: int, cfg=None, fingerprint: list | None = None,
+                 flush_every: int = 256, flush_interval_s: float = 0.0):
         self.parts_dir = run_dir / "generations.parts"
-        self.final_path = run_dir / "generations.parquet"
-        self.schema, self.flush_every, self.cfg = generations_schema(id_type), flush_every, cfg
-        self.flush_interval_s = flush_interval_s
+        self.cfg, self.fingerprint = cfg, fingerprint
+        self.flush_every, self.flush_interval_s = flush_every, flush_interval_s
         self.buffer: list[dict] = []
         self._oldest = 0.0  # when the oldest buffered row was added
         self.parts: list[Path] = []
-        self.done_ids: set = set()
-        self.resumed_ids: set = set()  # ids found in parts at start: computed by an earlier run
+        self.saved = np.full(num_rows, -1, np.int32)  # input row -> index in self.parts of the part holding it
         if self.parts_dir.is_dir():
             self._load_parts()
+        self.resumed = int((self.saved >= 0).sum())  # rows computed by earlier runs
         self._next = 1 + max((int(p.stem.split("-")[1]) for p in self.parts), default=-1)
 
     def _load_parts(self) -> None:
-        for tmp in self.parts_dir.glob(".*.tmp"):  # a part being written when the job was killed
+        for tmp in self.parts_dir.glob(".*.tmp"):  # a part being written when a run was killed
             log.info("removing %s, left by an interrupted write", tmp)
             tmp.unlink(missing_ok=True)
         self.parts = sorted(p for p in self.parts_dir.glob(PART_GLOB) if p.stem.split("-")[1].isdigit())
         current = output_settings(_plain(self.cfg)) if self.cfg is not None else None
-        for part in self.parts:
+        for index, part in enumerate(self.parts):
             try:
-                schema = pq.read_schema(part)
-                ids = pq.read_table(part, columns=["id"])["id"]
-            except (pa.ArrowInvalid, OSError, KeyError) as err:
+                metadata = pq.read_schema(part).metadata or {}
+                rows = pq.read_table(part, columns=["row"])["row"].to_numpy()
+            except (pa.ArrowInvalid, OSError) as err:
                 raise JobError(f"cannot read {part} ({err}); delete it to compute its rows again") from None
-            if schema.field("id").type != self.schema.field("id").type:
-                raise JobError(f"{part} holds ids of type {schema.field('id').type}, the input's are "
-                               f"{self.schema.field('id').type}: not the same input; use a new hydra.run.dir")
-            if current is not None:
-                before = output_settings(json.loads((schema.metadata or {}).get(META_CONFIG, b"{}")))
-                changed = sorted(k for k in before.keys() & current.keys() if before[k] != current[k])
-                if changed:
-                    diff = ", ".join(f"{k}: {before[k]!r} -> {current[k]!r}" for k in changed[:5])
-                    raise JobError(f"{self.parts_dir.parent} holds rows generated with other settings ({diff}); "
-                                   f"run with the same settings to resume, or use a new hydra.run.dir")
-            self.done_ids.update(ids.to_pylist())
-        self.resumed_ids = set(self.done_ids)
+            except KeyError:
+                raise JobError(f"{part} has no row numbers (written by an older MiniPaged): use a new "
+                               f"hydra.run.dir") from None
+            self._check_same_run(part, metadata, current)
+            if len(rows) and (rows.min() < 0 or rows.max() >= len(self.saved)):
+                raise JobError(f"{part} holds row {rows.max()}, the input has {len(self.saved)} rows: not the "
+                               f"same input; use a new hydra.run.dir")
+            fresh = rows[self.saved[rows] < 0]
+            self.saved[fresh] = index
+
+    def _check_same_run(self, part: Path, metadata: dict, current: dict | None) -> None:
+        """JobError if the part was written with other output settings or from another input."""
+        run_dir = self.parts_dir.parent
+        if current is not None:
+            before = output_settings(json.loads(metadata.get(META_CONFIG, b"{}")))
+            changed = sorted(k for k in before.keys() & current.keys() if before[k] != current[k])
+            if changed:
+                diff = ", ".join(f"{k}: {before[k]!r} -> {current[k]!r}" for k in changed[:5])
+                raise JobError(f"{run_dir} holds rows generated with other settings ({diff}); "
+                               f"run with the same settings to resume, or use a new hydra.run.dir")
+        if self.fingerprint is not None and META_INPUT in metadata:
+            change = fingerprint_change(json.loads(metadata[META_INPUT]), self.fingerprint)
+            if change:
+                raise JobError(f"job.input: {change} since the rows in {run_dir} were generated from it; resuming "
+                               f"would mix two inputs: restore it or use a new hydra.run.dir")
 
     def add(self, row: dict) -> None:
+        """Buffer one result row (PART_SCHEMA's fields); flush when flush_every or flush_interval_s says so."""
         if not self.buffer:
             self._oldest = time.monotonic()
         self.buffer.append(row)
-        self.done_ids.add(row["id"])
         if len(self.buffer) >= self.flush_every or (
                 self.flush_interval_s and time.monotonic() - self._oldest >= self.flush_interval_s):
             self.flush()
@@ -106,29 +142,89 @@ class ResultWriter:
         """Write the buffered rows as the next part (atomically)."""
         if not self.buffer:
             return
-        self.parts_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OutputError(f"cannot write {self.parts_dir}: {err.strerror or err}") from None
         path = self.parts_dir / f"part-{self._next:06d}.parquet"
-        write_atomic(pa.Table.from_pylist(self.buffer, schema=self.schema), path, self.cfg)
+        extra = {META_INPUT: json.dumps(self.fingerprint).encode()} if self.fingerprint is not None else None
+        table = pa.Table.from_pylist(self.buffer, schema=PART_SCHEMA)
+        write_atomic(table, path, self.cfg, extra)
         self._next += 1
         self.parts.append(path)
+        rows = table["row"].to_numpy()
+        self.saved[rows[self.saved[rows] < 0]] = len(self.parts) - 1
         self.buffer = []
 
-    def finalize(self, ids: pa.Array | pa.ChunkedArray) -> pa.Table:
-        """Write generations.parquet: one row for each of `ids` (the input's, in its order), taken from
-        the parts (the first written when a row was written twice). JobError if an id has no row."""
+    def missing(self) -> np.ndarray:
+        """Input rows with no saved result (after a flush)."""
+        return np.flatnonzero(self.saved < 0)
+
+    def results(self, input_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, pa.Table]]:
+        """(first row, table) per input batch, in input order: the batch's columns (id, carried columns)
+        then the result columns of its rows, from the parts. JobError if a row has no result."""
         self.flush()
-        table = pa.concat_tables([pq.read_table(p, schema=self.schema) for p in self.parts]) if self.parts \
-            else self.schema.empty_table()
-        row_of = {}
-        for n, i in enumerate(table["id"].to_pylist()):
-            row_of.setdefault(i, n)
-        wanted = ids.to_pylist()
-        missing = [i for i in wanted if i not in row_of]
-        if missing:
-            raise JobError(f"no result for {len(missing)} ids, e.g. {missing[:5]}; run again to compute them")
-        table = table.take(pa.array([row_of[i] for i in wanted], pa.int64()))
-        write_atomic(table, self.final_path, self.cfg)
-        return table
+        missing = self.missing()
+        if missing.size:
+            raise JobError(f"no result for {missing.size} rows, e.g. input rows {missing[:5].tolist()}; run "
+                           f"again to compute them")
+        read = functools.lru_cache(CACHED_PARTS)(lambda index: pq.read_table(self.parts[index], schema=PART_SCHEMA))
+        lo = 0
+        for batch in input_batches:
+            hi = lo + batch.num_rows
+            if hi > len(self.saved):
+                lo = hi
+                break
+            results = self._rows(lo, hi, read)
+            yield lo, pa.table({"id": batch.column("id"), **{name: results[name] for name, _ in RESULT_FIELDS},
+                                **{c: batch.column(c) for c in batch.schema.names if c != "id"}})
+            lo = hi
+        if lo != len(self.saved):
+            raise JobError(f"job.input changed during the run: it no longer has the {len(self.saved)} rows it had")
+
+    def _rows(self, lo: int, hi: int, read: Callable[[int], pa.Table]) -> pa.Table:
+        """The saved results of input rows [lo, hi), in row order."""
+        where = self.saved[lo:hi]
+        pieces = []
+        for index in np.unique(where):
+            part = read(int(index))
+            rows = part["row"].to_numpy()
+            take = np.flatnonzero((rows >= lo) & (rows < hi))
+            take = take[where[rows[take] - lo] == index]
+            _, first = np.unique(rows[take], return_index=True)  # a row twice in one part: the first
+            pieces.append(part.take(take[first]))
+        table = pa.concat_tables(pieces) if pieces else PART_SCHEMA.empty_table()
+        return table.take(np.argsort(table["row"].to_numpy(), kind="stable"))
+
+    def finalize(self, input_batches: Iterator[pa.RecordBatch], path: Path, schema: pa.Schema,
+                 output_format: str = "parquet", model: str = "") -> None:
+        """Write the final file at `path` (atomically): one row per input row, in input order."""
+        with atomic_path(path) as tmp:
+            if output_format == "openai":
+                created = int(time.time())
+                with open(tmp, "w", encoding="utf-8") as out:
+                    for lo, table in self.results(input_batches):
+                        out.writelines(json.dumps(openai_line(lo + n, row, model, created)) + "\n"
+                                       for n, row in enumerate(table.to_pylist()))
+            else:
+                with pq.ParquetWriter(tmp, schema_with_metadata(schema, self.cfg)) as out:
+                    for _, table in self.results(input_batches):
+                        out.write_table(table.cast(schema))
+
+
+def openai_line(row_number: int, row: dict, model: str, created: int) -> dict:
+    """One line of an OpenAI batch output file (the shape `vllm run-batch` writes), with ids made from the
+    input row number."""
+    head = {"id": f"minipaged-{row_number}", "custom_id": str(row["id"])}
+    request_id = f"minipaged-batch-{row_number}"
+    if row["finish_reason"] == "error":
+        return {**head, "response": {"status_code": 400, "request_id": request_id, "body": None}, "error": row["error"]}
+    usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["output_tokens"],
+             "total_tokens": row["prompt_tokens"] + row["output_tokens"]}
+    body = {"id": f"chatcmpl-{row_number}", "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": row["output_text"]},
+                         "logprobs": None, "finish_reason": row["finish_reason"]}], "usage": usage}
+    return {**head, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
 def _plain(cfg) -> dict:

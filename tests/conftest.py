@@ -56,3 +56,23 @@ def qwen3_checkpoint(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path, model
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% if brief %}(briefly){% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(qwen3_checkpoint, tmp_path_factory):
+    """qwen3_checkpoint with a chat template in its tokenizer (one keyword: brief)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    source, _ = qwen3_checkpoint
+    path = tmp_path_factory.mktemp("qwen3-chat")
+    shutil.copytree(source, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path

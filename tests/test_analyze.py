@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from engine.parquet import META_CONFIG, META_VERSION, SCHEMA_VERSION, write_atomic
+from jobs.parquet import META_CONFIG, META_VERSION, SCHEMA_VERSION, write_atomic
 from jobs.analyze import analyze
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,6 @@
 """Bad input: job-level problems stop the job with one clear line (no traceback) and a non-zero exit;
 row-level problems become finish_reason "error" rows while every other row completes."""
+import errno
 import os
 import subprocess
 import sys
@@ -14,14 +15,21 @@ import torch
 from engine.config import ConfigError, validate
 from engine.engine import LLMEngine, RequestError, resolve_device
 from jobs import JobError
-from jobs.generate import default_sampling, read_prompts, row_sampling
+from jobs.common import run_lock
+from jobs.generate import default_sampling, final_batches, generate_job, open_input, row_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}  # one thread: the tiny model gains nothing from more
 
 
 def job(path, prompt_column="prompt", id_column=None):
-    return SimpleNamespace(input=str(path), prompt_column=prompt_column, id_column=id_column)
+    return SimpleNamespace(input=str(path), prompt_column=prompt_column, id_column=id_column, keep_columns=None)
+
+
+def read_prompts(job):
+    """The input as the job sees it: JobError if unusable, else its ids."""
+    source, columns, _ = open_input(job)
+    return pa.Table.from_batches(list(final_batches(source, columns)))
 
 
 def write(path, **columns):
@@ -86,6 +94,9 @@ def test_a_prompt_column_that_is_not_text(tmp_path):
     (["model.dtype=bf16"], r"model.dtype must be one of"),
     (["job.flush_every=0"], r"job.flush_every must be >= 1"),
     (["sampling.max_tokens=0"], r"sampling.max_tokens must be >= 1"),
+    (["job.input="], r"job.input is empty: give a Parquet or JSONL file, a directory or a glob"),
+    (["job.input=' '"], r"job.input is empty"),
+    (["job.output_format=csv"], r"job.output_format must be 'parquet' or 'openai', got 'csv'"),
 ])
 def test_impossible_settings(make_config, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -93,15 +104,12 @@ def test_impossible_settings(make_config, overrides, message):
 
 
 def test_a_pool_sized_from_memory_must_hold_one_sequence(make_config, tmp_path):
-    from jobs.generate import generate
-    from jobs.results import ResultWriter
-
-    cfg = make_config("model.device=cpu", "model.max_model_len=512", "cache.kv_budget_gb=0.0001")  # 12 blocks of 16
-    validate(cfg)
-    writer = ResultWriter(tmp_path, pa.int64(), 10, cfg)
+    path = write(tmp_path / "in.parquet", prompt=["hi"])
+    cfg = make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=512", "cache.kv_budget_gb=0.0001")
+    validate(cfg)  # 12 blocks of 16: only the engine, sizing the pool, finds out
     with pytest.raises(ConfigError, match=r"a pool of 12 blocks .* cannot hold one sequence"):
-        generate(cfg, [{"id": 0, "prompt": "hi"}], writer)
-    assert not writer.parts_dir.exists()  # nothing written for a job that cannot start
+        generate_job(cfg, tmp_path)
+    assert not (tmp_path / "generations.parts").exists()  # nothing written for a job that cannot start
 
 
 def test_a_dtype_the_device_cannot_run(make_config, monkeypatch):
@@ -135,21 +143,122 @@ def test_a_model_path_without_weights_or_tokenizer(make_config, tmp_path):
 
 # -- the entry point: one line on stderr, no traceback, exit code 1 ----------------------------------
 def test_errors_print_one_line_without_a_traceback(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
     cases = {
         "missing input": ([f"job.input={tmp_path / 'nope.parquet'}"], "error: job.input: no such file"),
+        "empty input": (["job.input="], "error: job.input is empty"),
         "bad setting": (["cache.block_size=0"], "error: cache.block_size must be >= 1, got 0"),
         "appended unknown key": (["+cache.blok_size=3"], "error: unknown config key 'cache.blok_size'"),
         "bad value": (["cache.block_size=abc"], "error: cache.block_size must be a whole number, got 'abc'"),
+        "run dir is a file": ([f"hydra.run.dir={tmp_path / 'a_file'}"],
+                              f"error: hydra.run.dir {tmp_path / 'a_file'} is a file, not a directory"),
+        "run dir in use": ([f"hydra.run.dir={tmp_path / 'busy'}"],
+                           f"error: {tmp_path / 'busy'} is in use by another run (pid {os.getpid()})"),
     }
-    procs = {name: subprocess.Popen(
-        [sys.executable, "-m", "engine.run", *overrides, f"hydra.run.dir={tmp_path / str(n)}", "model.device=cpu"],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for n, (name, (overrides, _)) in enumerate(cases.items())}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 1, (name, err)
-        assert cases[name][1] in err, (name, err)
-        assert "Traceback" not in out + err, (name, err)
+    (tmp_path / "busy").mkdir()
+    with run_lock(tmp_path / "busy"):  # a run holding the directory while the second starts
+        procs = {name: subprocess.Popen(
+            [sys.executable, "-m", "engine.run", f"hydra.run.dir={tmp_path / str(n)}", *overrides, "model.device=cpu"],
+            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for n, (name, (overrides, _)) in enumerate(cases.items())}
+        for name, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 1, (name, err)
+            assert cases[name][1] in err, (name, err)
+            assert "Traceback" not in out + err, (name, err)
+    assert not (tmp_path / "busy" / "generations.parts").exists()
+
+
+# -- job level: the run directory and the input under a resumed run ---------------------------------
+def small_job(make_config, tmp_path, *extra):
+    path = write(tmp_path / "in.parquet", id=[f"r{i}" for i in range(8)], prompt=[f"prompt {i}" for i in range(8)])
+    return path, make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=256", "sampling.max_tokens=2",
+                             "sampling.ignore_eos=true", "job.flush_every=2", *extra)
+
+
+def parts(directory: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted((directory / "generations.parts").glob("part-*.parquet"))}
+
+
+def test_a_second_run_on_the_same_directory_stops_at_once(make_config, tmp_path, one_thread):
+    _, cfg = small_job(make_config, tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    with run_lock(run):
+        with pytest.raises(JobError, match=rf"{run} is in use by another run \(pid {os.getpid()}\); wait for it"):
+            generate_job(cfg, run)
+    assert not (run / "generations.parts").exists()
+    generate_job(cfg, run)  # the lock is gone with its holder
+    assert pq.read_table(run / "generations.parquet").num_rows == 8
+
+
+def test_resuming_after_the_input_changed_is_refused(make_config, tmp_path, one_thread):
+    path, cfg = small_job(make_config, tmp_path)
+    pq.write_table(pq.read_table(path), path, compression="none")
+    run = tmp_path / "run"
+    run.mkdir()
+    generate_job(cfg, run)
+    before, size = parts(run), path.stat().st_size
+    table = pq.read_table(path)  # one letter of one prompt changed: the same size, the same row count
+    prompts = table["prompt"].to_pylist()
+    prompts[3] = prompts[3].replace("prompt", "Prompt")
+    pq.write_table(table.set_column(1, "prompt", pa.array(prompts)), path, compression="none")
+    assert path.stat().st_size == size
+    with pytest.raises(JobError, match=rf"job.input: {path} changed \(same size, other bytes\) since the rows in "
+                                       rf"{run} were generated from it"):
+        generate_job(cfg, run)
+    assert parts(run) == before  # the finished rows are kept
+
+
+def test_an_output_directory_that_is_a_file(make_config, tmp_path):
+    _, cfg = small_job(make_config, tmp_path)
+    (tmp_path / "out").write_text("")
+    with pytest.raises(JobError, match=rf"cannot write {tmp_path / 'out' / '.minipaged.lock'}: Not a directory"):
+        generate_job(cfg, tmp_path / "out")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_output_directory(make_config, tmp_path):
+    _, cfg = small_job(make_config, tmp_path)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o555)
+    with pytest.raises(JobError, match=rf"cannot write {run}/.minipaged.lock: Permission denied"):
+        generate_job(cfg, run)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EROFS])
+def test_a_write_that_fails_half_way_keeps_the_finished_rows(make_config, tmp_path, monkeypatch, one_thread, code):
+    """The disk fills up (or the directory turns read-only) after two parts: one line naming the file, the
+    parts saved before kept, and a run started again once the space is back completes from them."""
+    import jobs.parquet
+
+    _, cfg = small_job(make_config, tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    real_write, written = pq.write_table, []
+
+    def write_table(table, where, **kwargs):
+        if len(written) == 2:
+            Path(where).write_bytes(b"PAR1 torn by the full disk")
+            raise OSError(code, os.strerror(code))
+        written.append(where)
+        real_write(table, where, **kwargs)
+
+    monkeypatch.setattr(jobs.parquet.pq, "write_table", write_table)
+    with pytest.raises(JobError) as err:
+        generate_job(cfg, run)
+    assert str(err.value) == (f"cannot write {run}/generations.parts/part-000002.parquet: {os.strerror(code)}; the 4 rows "
+                              f"saved before are kept in {run}/generations.parts; fix it and run again with "
+                              f"hydra.run.dir={run} to resume")
+    before = parts(run)
+    assert list(before) == ["part-000000.parquet", "part-000001.parquet"]
+    assert not list((run / "generations.parts").glob(".*"))  # no temporary file left behind
+    monkeypatch.undo()
+    generate_job(cfg, run)
+    assert all(parts(run)[name] == data for name, data in before.items())
+    rows = pq.read_table(run / "generations.parquet").to_pylist()
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(8)] and all(r["output_tokens"] == 2 for r in rows)
+    assert pq.read_table(run / "summary.parquet")["resumed_rows"].to_pylist() == [4]
 
 
 # -- row level -------------------------------------------------------------------------------------
@@ -172,10 +281,11 @@ def test_bad_per_row_sampling_values(row, message):
 
 
 def test_bad_rows_become_error_rows_and_the_others_complete(tmp_path):
-    ids = ["ok1", "null", "empty", "long", "mt0", "mtfrac", "mtnan", "temp", "ok2"]
-    prompts = ["hello", None, "", "x" * 600, "a", "b", "c", "d", "world"]
-    max_tokens = [None, None, None, None, 0, 2.5, float("nan"), None, 5]
-    temperature = [None] * 7 + [-1.0, None]
+    ids = ["ok1", "null", "empty", "long", "mt0", "mtfrac", "mtnan", "temp", "utf8", "ok2"]
+    prompts = [b"hello", None, b"", b"x" * 600, b"a", b"b", b"c", b"d", b"caf\xe9 \xff", b"world"]
+    max_tokens = [None, None, None, None, 0, 2.5, float("nan"), None, None, 5]
+    temperature = [None] * 7 + [-1.0, None, None]
+    prompts = pa.array(prompts, pa.binary()).view(pa.string())  # a string column holding bytes that are not UTF-8
     write(tmp_path / "in.parquet", id=ids, prompt=prompts, max_tokens=max_tokens, temperature=temperature)
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "engine.run", f"job.input={tmp_path / 'in.parquet'}",
@@ -193,9 +303,11 @@ def test_bad_rows_become_error_rows_and_the_others_complete(tmp_path):
         "long": "prompt has 600 tokens; model.max_model_len 512 leaves no room for output",
         "mt0": "max_tokens must be >= 1, got 0", "mtfrac": "max_tokens 2.5 is not a valid int",
         "mtnan": "max_tokens nan is not a valid int", "temp": "temperature must be >= 0, got -1.0",
+        "utf8": "prompt is not valid UTF-8 (invalid continuation byte at byte 3)",
     }
     for i, message in expected.items():
         assert by_id[i]["finish_reason"] == "error" and by_id[i]["error"] == message, by_id[i]
         assert by_id[i]["output_tokens"] == 0 and by_id[i]["output_token_ids"] is None
     summary = pq.read_table(out / "summary.parquet").to_pylist()[0]
-    assert summary["num_requests"] == 2 and summary["num_errors"] == 7 and summary["resumed_rows"] == 0
+    assert by_id["utf8"]["prompt"] == "caf\ufffd \ufffd"  # shown with replacement characters
+    assert summary["num_requests"] == 2 and summary["num_errors"] == 8 and summary["resumed_rows"] == 0

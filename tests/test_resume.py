@@ -9,47 +9,78 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jobs import JobError
-from jobs.results import ResultWriter
+from jobs.results import ResultWriter, generations_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}  # one thread: the tiny model gains nothing from more
 NUM_ROWS = 120
+FINGERPRINT = [["in.parquet", 10, "aa"]]
 
 
 def row(i, text="out"):
-    return {"id": i, "prompt": f"p{i}", "output_text": text, "output_token_ids": [1, 2], "finish_reason": "length",
+    return {"row": i, "prompt": f"p{i}", "output_text": text, "output_token_ids": [1, 2], "finish_reason": "length",
             "prompt_tokens": 2, "output_tokens": 2, "error": None}
+
+
+def id_batches(ids, size):
+    """The input's id column, as finalize reads it: record batches of `size` rows."""
+    table = pa.table({"id": ids})
+    return iter(table.to_batches(max_chunksize=size))
+
+
+def finalize(writer, tmp_path, ids, size=2):
+    writer.finalize(id_batches(ids, size), tmp_path / "generations.parquet", generations_schema(pa.string()))
+    return pq.read_table(tmp_path / "generations.parquet")
 
 
 # -- ResultWriter ----------------------------------------------------------------------------------
 def test_parts_are_flushed_in_batches_and_read_back_on_restart(make_config, tmp_path):
     cfg = make_config()
-    writer = ResultWriter(tmp_path, pa.int64(), 3, cfg)
+    writer = ResultWriter(tmp_path, 7, cfg, FINGERPRINT, flush_every=3)
     assert not writer.parts_dir.exists()  # nothing written yet: no folder
-    for i in range(7):
+    for i in (4, 0, 5, 2, 1, 3, 6):  # rows finish out of input order
         writer.add(row(i))
     assert [pq.read_table(p).num_rows for p in writer.parts] == [3, 3] and len(writer.buffer) == 1
     # killed here: row 6 was never flushed, and a part being written left its temporary file behind
-    tmp = writer.parts_dir / ".part-000002.parquet.tmp"
+    tmp = writer.parts_dir / ".part-000002.parquet.123-abcd.tmp"
     tmp.write_bytes(b"PAR1 half a parquet file")
-    again = ResultWriter(tmp_path, pa.int64(), 3, cfg)
-    assert again.done_ids == again.resumed_ids == set(range(6)) and not tmp.exists()
+    again = ResultWriter(tmp_path, 7, cfg, FINGERPRINT, flush_every=3)
+    assert again.resumed == 6 and list(np.flatnonzero(again.saved < 0)) == [6] and not tmp.exists()
     again.add(row(6)), again.add(row(3, "written twice"))
-    table = again.finalize(pa.array([6, 5, 4, 3, 2, 1, 0]))
-    assert table["id"].to_pylist() == [6, 5, 4, 3, 2, 1, 0]  # input order, each id once
+    ids = ["g", "f", "e", "d", "c", "b", "a"]
+    table = finalize(again, tmp_path, ids)
+    assert table["id"].to_pylist() == ids and table["prompt"].to_pylist() == [f"p{i}" for i in range(7)]  # input order
     assert table["output_text"].to_pylist()[3] == "out"  # the first row written wins
     assert sorted(p.name for p in again.parts_dir.iterdir()) == [f"part-00000{n}.parquet" for n in range(3)]
-    assert pq.read_table(tmp_path / "generations.parquet").equals(table)
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_finalize_puts_rows_in_input_order_from_parts_of_any_shape(tmp_path_factory, data):
+    """Rows finishing in any order, flushed in parts of any size and read back in batches of any size
+    (so that parts span batches and stragglers sit far from their neighbours): the input order."""
+    num_rows = data.draw(st.integers(0, 60))
+    order = data.draw(st.permutations(range(num_rows)))
+    directory = tmp_path_factory.mktemp("w")
+    writer = ResultWriter(directory, num_rows, None, FINGERPRINT, flush_every=data.draw(st.integers(1, 9)))
+    for i in order:
+        writer.add(row(i, text=f"out{i}"))
+    table = finalize(writer, directory, [f"id{i}" for i in range(num_rows)], size=data.draw(st.integers(1, 20)))
+    assert table["output_text"].to_pylist() == [f"out{i}" for i in range(num_rows)]
+    assert table["id"].to_pylist() == [f"id{i}" for i in range(num_rows)]
+
+
 def test_slow_rows_are_flushed_after_flush_interval_s(make_config, tmp_path):
-    writer = ResultWriter(tmp_path, pa.int64(), 1000, make_config(), flush_interval_s=0.05)
+    writer = ResultWriter(tmp_path, 2, make_config(), flush_every=1000, flush_interval_s=0.05)
     writer.add(row(0))
     assert not writer.parts
     time.sleep(0.06)
@@ -59,40 +90,44 @@ def test_slow_rows_are_flushed_after_flush_interval_s(make_config, tmp_path):
 
 def test_a_new_part_never_overwrites_an_old_one(make_config, tmp_path):
     cfg = make_config()
-    writer = ResultWriter(tmp_path, pa.int64(), 1, cfg)
+    writer = ResultWriter(tmp_path, 3, cfg, flush_every=1)
     writer.add(row(0)), writer.add(row(1))
     (writer.parts_dir / "part-000000.parquet").unlink()  # a gap in the numbering
-    again = ResultWriter(tmp_path, pa.int64(), 1, cfg)
+    again = ResultWriter(tmp_path, 3, cfg, flush_every=1)
     again.add(row(2))
     assert [p.name for p in again.parts] == ["part-000001.parquet", "part-000002.parquet"]
 
 
-def test_finalize_needs_a_row_for_every_id(make_config, tmp_path):
-    writer = ResultWriter(tmp_path, pa.int64(), 10, make_config())
+def test_finalize_needs_a_row_for_every_input_row(make_config, tmp_path):
+    writer = ResultWriter(tmp_path, 2, make_config(), flush_every=10)
     writer.add(row(0))
-    with pytest.raises(JobError, match=r"no result for 1 ids, e.g. \[1\]"):
-        writer.finalize(pa.array([0, 1]))
-    assert not (tmp_path / "generations.parquet").exists()
+    with pytest.raises(JobError, match=r"no result for 1 rows, e.g. input rows \[1\]"):
+        finalize(writer, tmp_path, ["a", "b"])
+    assert not (tmp_path / "generations.parquet").exists() and not list(tmp_path.glob(".*.tmp"))
 
 
-def test_resuming_with_other_settings_is_refused(make_config, tmp_path):
-    writer = ResultWriter(tmp_path, pa.int64(), 1, make_config("sampling.max_tokens=8"))
+def test_resuming_with_other_settings_or_another_input_is_refused(make_config, tmp_path):
+    writer = ResultWriter(tmp_path, 4, make_config("sampling.max_tokens=8"), FINGERPRINT, flush_every=1)
     writer.add(row(0))
     with pytest.raises(JobError, match=r"holds rows generated with other settings \(sampling.max_tokens: 8 -> 9\)"):
-        ResultWriter(tmp_path, pa.int64(), 1, make_config("sampling.max_tokens=9"))
-    with pytest.raises(JobError, match=r"holds ids of type int64, the input's are string"):
-        ResultWriter(tmp_path, pa.string(), 1, make_config("sampling.max_tokens=8"))
+        ResultWriter(tmp_path, 4, make_config("sampling.max_tokens=9"), FINGERPRINT)
+    with pytest.raises(JobError, match=r"job.input: in.parquet changed \(same size, other bytes\) since the rows"):
+        ResultWriter(tmp_path, 4, make_config("sampling.max_tokens=8"), [["in.parquet", 10, "bb"]])
+    with pytest.raises(JobError, match=r"job.input: in.parquet changed \(10 -> 11 bytes\)"):
+        ResultWriter(tmp_path, 4, make_config("sampling.max_tokens=8"), [["in.parquet", 11, "aa"]])
+    with pytest.raises(JobError, match=r"job.input: more.parquet is new"):
+        ResultWriter(tmp_path, 4, make_config("sampling.max_tokens=8"), FINGERPRINT + [["more.parquet", 1, "cc"]])
     # the pool and the batching do not change what a row's output is: resuming with a smaller pool is fine
-    ResultWriter(tmp_path, pa.int64(), 1, make_config("sampling.max_tokens=8", "cache.num_blocks=40",
-                                                      "scheduler.max_num_seqs=2", "model.device=cpu"))
+    ResultWriter(tmp_path, 4, make_config("sampling.max_tokens=8", "cache.num_blocks=40", "scheduler.max_num_seqs=2",
+                                          "model.device=cpu"), FINGERPRINT)
 
 
 def test_an_unreadable_part_is_reported(make_config, tmp_path):
-    writer = ResultWriter(tmp_path, pa.int64(), 1, make_config())
+    writer = ResultWriter(tmp_path, 1, make_config(), flush_every=1)
     writer.add(row(0))
     writer.parts[0].write_bytes(b"not parquet")
     with pytest.raises(JobError, match=r"cannot read .*part-000000.parquet .*delete it to compute its rows again"):
-        ResultWriter(tmp_path, pa.int64(), 1, make_config())
+        ResultWriter(tmp_path, 1, make_config())
 
 
 # -- the job, killed and started again -------------------------------------------------------------
@@ -129,7 +164,8 @@ def saved(run_dir: Path) -> dict:
 
 
 def saved_ids(parts: dict, run_dir: Path) -> list:
-    return [i for name in parts for i in pq.read_table(run_dir / "generations.parts" / name)["id"].to_pylist()]
+    """The input rows saved in these parts."""
+    return [i for name in parts for i in pq.read_table(run_dir / "generations.parts" / name)["row"].to_pylist()]
 
 
 def finish(prompts, run_dir):
@@ -159,7 +195,7 @@ def test_sigkill_then_resume(prompts, tmp_path):
     done = saved_ids(before, run_dir)
     assert 8 <= len(done) < NUM_ROWS and not (run_dir / "generations.parquet").exists()
     # a kill in the middle of writing a part leaves its temporary file: the next run ignores it
-    (run_dir / "generations.parts" / f".part-{len(before):06d}.parquet.tmp").write_bytes(b"PAR1 torn")
+    (run_dir / "generations.parts" / f".part-{len(before):06d}.parquet.99-beef.tmp").write_bytes(b"PAR1 torn")
 
     log = finish(prompts, run_dir)
     assert f"resuming: {len(done)} of {NUM_ROWS} rows already written" in log

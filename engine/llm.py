@@ -1,0 +1,236 @@
+"""The Python API, in vLLM's shape:
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="tiny", max_model_len=512)
+    for out in llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8)):
+        print(out.prompt, out.outputs[0].text, out.outputs[0].token_ids, out.outputs[0].finish_reason)
+
+`model` is a conf/model/ name ("tiny", "qwen3-0.6b": random weights of that shape), else a checkpoint
+directory or hub id (model.path). The other keyword arguments set config fields of the model, cache and
+scheduler sections by their own names, which are vLLM's where vLLM has one (dtype, max_model_len,
+block_size, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed =
+model.seed, the seed of random weights; a sampling seed is per request, SamplingParams.seed).
+
+generate() and chat() take everything at once and return one RequestOutput per prompt, in input order;
+a prompt that cannot run raises RequestError naming it before any work. stream() is the core the batch
+job (and a distributed executor) drives: requests come from any iterable and are pulled, tokenized and
+queued only while fewer than `window` are in the engine, results are yielded as they finish, and a
+request that cannot run yields an error result (RequestOutput.error) instead of raising.
+"""
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from engine.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig, check_pool, validate
+from engine.engine import LLMEngine, RequestError
+from engine.sequence import SamplingParams
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+# engine option -> its config section: every field of the sections but the two that `model` sets
+OPTIONS = {f.name: section for section, schema in SECTIONS.items() for f in dataclasses.fields(schema)
+           if f.name not in ("name", "path")}
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # stop | length
+    logprobs: None = None  # not computed yet
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    prompt: str | None  # None for token-id prompts and conversations
+    prompt_token_ids: list[int] | None  # None when the request failed before tokenization
+    outputs: list[CompletionOutput]  # empty when the request failed
+    error: str | None = None  # why the request could not run (stream() only; generate() raises)
+    finished: bool = True
+
+
+@dataclass
+class Request:
+    """One request for LLM.stream: a text prompt, token ids or a conversation (messages, chat template
+    applied when admitted). `error`: known unusable before admission (it is passed through as the result)."""
+    request_id: Any
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    sampling_params: SamplingParams | None = None  # None: the LLM's default
+    error: str | None = None
+
+
+def default_groups() -> dict[str, str]:
+    """The config groups conf/config.yaml picks by default, e.g. {"model": "tiny", "cache": "default"}."""
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
+    return {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items()}
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def engine_config(model: str, **options) -> DictConfig:
+    """The validated config of LLM(model, **options): the structured configs of engine/config.py with the
+    same conf/*.yaml defaults as the command line, built without Hydra's global state."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"LLM() got unknown engine options {unknown}; known: {sorted(OPTIONS)}")
+    groups = default_groups()
+    is_name = model in model_names()
+    cfg = OmegaConf.structured(Config)
+    cfg.job = {"name": "llm"}
+    for section in ("model", "cache", "scheduler", "sampling"):
+        option = model if section == "model" and is_name else groups[section]
+        cfg[section] = OmegaConf.merge(cfg[section], OmegaConf.load(CONF_DIR / section / f"{option}.yaml"))
+    if not is_name:  # a checkpoint directory or a hub id
+        cfg.model.path, cfg.model.name = model, Path(model).name
+    for name, value in options.items():
+        try:
+            cfg[OPTIONS[name]][name] = value
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"{name}: {str(err).splitlines()[0]}") from None
+    validate(cfg)
+    return cfg
+
+
+def default_sampling(cfg) -> SamplingParams:
+    """The run's SamplingParams from the sampling section of the config."""
+    s = cfg.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+                          ignore_eos=s.ignore_eos, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids))
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", **engine_options):
+        self._start(engine_config(model, **engine_options))
+
+    @classmethod
+    def from_config(cls, cfg) -> "LLM":
+        """An LLM on an already validated config (the jobs: Hydra composed it)."""
+        llm = cls.__new__(cls)
+        llm._start(cfg)
+        return llm
+
+    def _start(self, cfg) -> None:
+        self.cfg = cfg
+        self.engine = LLMEngine(cfg)
+        check_pool(self.engine.num_blocks, self.engine.block_size, self.engine.max_model_len)
+        self.tokenizer = self.engine.tokenizer
+        self.default_sampling = default_sampling(cfg)
+        self._abandoned = False  # a stream was left before its end: its requests are still in the engine
+
+    # -- everything at once --------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt (text or token ids), in input order. RequestError, before any
+        work, when a prompt cannot run (empty, too long for max_model_len or for the pool)."""
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        return self._run_all([Request(i, prompt=p) if isinstance(p, str) else Request(i, prompt_token_ids=list(p))
+                              for i, p in enumerate(prompts)], sampling_params)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() on conversations (lists of {"role", "content"}), through the tokenizer's chat template
+        with the generation prompt added."""
+        self.check_chat_template()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self._run_all([Request(i, messages=m) for i, m in enumerate(conversations)], sampling_params,
+                             chat_template_kwargs)
+
+    def check_chat_template(self) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"model {self.cfg.model.name!r} has no chat template (its tokenizer sets none), "
+                              f"which conversations need")
+
+    def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None) -> list[RequestOutput]:
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(requests):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(requests)} prompts")
+            for request, params in zip(requests, sampling_params):
+                request.sampling_params = params
+        else:
+            for request in requests:
+                request.sampling_params = sampling_params
+        for request in requests:  # every prompt checked before any work, as vLLM does
+            try:
+                request.prompt_token_ids = self._token_ids(request, chat_template_kwargs)
+                self.engine.check_request(len(request.prompt_token_ids), self._sampling(request))
+            except RequestError as err:
+                raise RequestError(f"prompt {request.request_id}: {err}") from None
+        results = sorted(self.stream(requests), key=lambda out: out.request_id)
+        failed = next((out for out in results if out.error), None)
+        if failed:
+            raise RequestError(f"prompt {failed.request_id}: {failed.error}")
+        return results
+
+    # -- streaming -----------------------------------------------------------------------------------
+    def stream(self, requests: Iterable[Request], window: int | None = None,
+               chat_template_kwargs: dict | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput for every request, as each finishes (not in input order).
+
+        At most `window` requests (default 2 * max_num_seqs) are in the engine at once: the next request
+        is pulled from `requests` and tokenized only when one leaves, so memory is bounded by the window
+        whatever the length of `requests`. A request that cannot run yields an error result at once."""
+        window = window or 2 * self.engine.scheduler.max_num_seqs
+        if self._abandoned:  # finish what an abandoned stream left queued; its results are dropped
+            for _ in self.engine.run():
+                pass
+        live: dict[str, Request] = {}  # the engine's request id (unique in this stream) -> request
+        self._abandoned = True
+        for n, request in enumerate(requests):
+            result = self._admit(request, str(n), chat_template_kwargs)
+            if result is not None:
+                yield result
+                continue
+            live[str(n)] = request
+            while len(live) >= window:
+                for seq in self.engine.step():
+                    yield self._result(live.pop(seq.request_id), seq)
+        for seq in self.engine.run():
+            yield self._result(live.pop(seq.request_id), seq)
+        self._abandoned = False
+
+    def _admit(self, request: Request, key: str, chat_template_kwargs) -> RequestOutput | None:
+        """Tokenize the request and queue it under `key`; its error result if it cannot run."""
+        try:
+            if request.error:
+                raise RequestError(request.error)
+            token_ids = self._token_ids(request, chat_template_kwargs)
+            self.engine.add_request(key, token_ids, self._sampling(request))
+            return None
+        except RequestError as err:
+            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=str(err))
+
+    def _sampling(self, request: Request) -> SamplingParams:
+        return request.sampling_params or self.default_sampling
+
+    def _token_ids(self, request: Request, chat_template_kwargs) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        if request.messages is not None:
+            try:
+                return self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False, **(chat_template_kwargs or {}))
+            except Exception as err:  # a malformed conversation fails in the template (Jinja, KeyError, ...)
+                raise RequestError(f"chat template failed on this conversation: {err}") from None
+        if request.prompt is None:
+            raise RequestError("prompt is null")
+        if not request.prompt:
+            raise RequestError("prompt is empty")
+        return self.tokenizer.encode(request.prompt, add_special_tokens=False)
+
+    def _result(self, request: Request, seq) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)
+        return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids, [completion])

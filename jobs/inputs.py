@@ -1,0 +1,320 @@
+"""job.input: where the rows come from, what each column is, and the input's fingerprint.
+
+job.input names a Parquet file, a JSONL file (*.jsonl), a directory (every *.parquet and *.jsonl file
+below it; names starting with "." or "_" are skipped, as Spark and pyarrow do) or a glob
+(`data/part-*.parquet`). The files are read in sorted path order as one table, in record batches, and
+the rows are numbered across them (row numbers are what the saved results refer to). All files of one
+input share one format. Their schemas are unified: a column absent from a file is null there, integers
+widen to floats; a column whose types clash stops the job, naming the file.
+
+JSONL is read in chunks of whole lines (CHUNK_BYTES). A first pass parses every chunk to infer one schema
+for the whole input (pyarrow's streaming reader fixes the schema from its first block, so a field that is
+missing or null in the first lines would fail later); the later passes parse each chunk again with it.
+Memory: one chunk or record batch at a time, plus the id column while the ids are checked.
+
+Columns. A text input has a prompt column (job.prompt_column; string, or binary decoded as UTF-8 row by
+row), an id column (job.id_column; unset: column "id" when present, else row numbers) and optional per-row
+sampling columns (ROW_SAMPLING). An OpenAI batch input (columns custom_id and body, body holding
+messages: `vllm run-batch`'s input) gives conversations: custom_id is the id, body.messages the
+conversation, body's max_completion_tokens (or max_tokens), temperature, top_p, top_k and seed the per-row
+sampling values; a url other than /v1/chat/completions is an error row. Every other input column is carried
+to generations.parquet (job.keep_columns: null for all, or a list).
+
+Fingerprint (for resuming): per file, its path, size and BLAKE2b hash of every byte. A resume compares it
+with the one saved with the results and names the file that differs. Hashing reads the input once more
+per start (about a second per GB, small beside generating from it); size and mtime would miss a rewrite
+of the same size, and a hash of the Parquet footer would miss an edit that keeps the sizes and
+statistics (one letter of an uncompressed prompt). A copy or a touch that keeps the bytes is no change.
+"""
+import glob
+import hashlib
+import io
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pj
+import pyarrow.parquet as pq
+
+from jobs import JobError
+
+log = logging.getLogger("minipaged")
+CHUNK_BYTES = 1 << 20
+DEFAULT_ID_COLUMN = "id"
+ROW_SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
+OPENAI_SAMPLING = ("max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")  # fields of body
+CHAT_URL = "/v1/chat/completions"
+
+
+def first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _plain_type(kind: pa.DataType) -> pa.DataType:
+    """Dictionary-encoded columns (pandas categories) read as their values."""
+    return kind.value_type if pa.types.is_dictionary(kind) else kind
+
+
+def resolve_paths(spec: str) -> list[Path]:
+    if not spec.strip():  # Path("") is the working directory: never read it by accident
+        raise JobError("job.input is empty")
+    if any(c in spec for c in "*?["):
+        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not paths:
+            raise JobError(f"job.input: no file matches {spec}")
+        return paths
+    root = Path(spec)
+    if root.is_dir():
+        paths = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".jsonl") and p.is_file()
+                       and not any(part.startswith((".", "_")) for part in p.relative_to(root).parts))
+        if not paths:
+            raise JobError(f"job.input: no *.parquet or *.jsonl file in directory {root}")
+        return paths
+    if not root.is_file():
+        raise JobError(f"job.input: no such file: {root}")
+    return [root]
+
+
+def file_hash(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint_change(before: list, now: list) -> str | None:
+    """How the input files differ from when `before` was taken, naming a file; None if they do not."""
+    old = {path: (size, digest) for path, size, digest in before}
+    new = {path: (size, digest) for path, size, digest in now}
+    for path, (size, digest) in new.items():
+        if path not in old:
+            return f"{path} is new"
+        if old[path] != (size, digest):
+            how = f"{old[path][0]} -> {size} bytes" if old[path][0] != size else "same size, other bytes"
+            return f"{path} changed ({how})"
+    gone = sorted(old.keys() - new.keys())
+    return f"{gone[0]} is gone" if gone else None
+
+
+class InputFiles:
+    """The files of job.input read as one table: `schema` (unified), `num_rows`, `batches()`."""
+
+    def __init__(self, spec: str):
+        self.paths = resolve_paths(spec)
+        self.format = "jsonl" if self.paths[0].suffix == ".jsonl" else "parquet"
+        mixed = [p for p in self.paths if (p.suffix == ".jsonl") != (self.format == "jsonl")]
+        if mixed:
+            raise JobError(f"job.input: {spec} mixes JSONL and Parquet files ({self.paths[0]}, {mixed[0]})")
+        self.schema, self.num_rows = None, 0
+        for path, schema, num_rows in (self._scan_parquet() if self.format == "parquet" else self._scan_jsonl()):
+            names = schema.names
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            if repeated:
+                raise JobError(f"job.input: {path} has duplicate column names {repeated}")
+            try:
+                self.schema = schema if self.schema is None else pa.unify_schemas([self.schema, schema],
+                                                                                   promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+                raise JobError(f"job.input: the column types of {path} clash with the rows before it "
+                               f"({first_line(err)})") from None
+            self.num_rows += num_rows
+
+    def _scan_parquet(self):
+        for path in self.paths:
+            try:
+                meta = pq.read_metadata(path)
+                yield path, meta.schema.to_arrow_schema(), meta.num_rows
+            except (pa.ArrowException, OSError) as err:
+                raise JobError(f"job.input: {path} is not a readable Parquet file ({first_line(err)})") from None
+
+    def _scan_jsonl(self):
+        for path in self.paths:
+            for table in self._jsonl_tables(path, None):
+                yield path, table.schema, table.num_rows
+
+    def _jsonl_tables(self, path: Path, schema: pa.Schema | None) -> Iterator[pa.Table]:
+        """The file's chunks of whole lines, parsed (with `schema` when given)."""
+        options = pj.ParseOptions(explicit_schema=schema) if schema is not None else None
+        line = 1
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(CHUNK_BYTES) + f.readline():
+                    lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
+                    try:
+                        yield pj.read_json(io.BytesIO(chunk), parse_options=options)
+                    except pa.ArrowInvalid as err:
+                        where = f"{path}, lines {line}-{line + lines - 1}"
+                        twice = re.search(r"Column\(/(.*)\) was specified twice", str(err))
+                        if twice:
+                            raise JobError(f"job.input: {where} has a duplicate column name: key {twice[1]!r} "
+                                           f"twice in one row") from None
+                        changed = re.search(r"Column\(/(.*)\) changed from (\w+) to (\w+)", str(err))
+                        if changed:
+                            raise JobError(f"job.input: {where}: column {changed[1]!r} holds {changed[2]} in some rows "
+                                           f"and {changed[3]} in others") from None
+                        raise JobError(f"job.input: {where} is not readable JSONL ({first_line(err)})") from None
+                    line += lines
+        except OSError as err:
+            raise JobError(f"job.input: cannot read {path} ({err.strerror or err})") from None
+
+    def batches(self, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+        """Record batches of at most batch_size rows with `columns` (of the unified schema), in row order."""
+        schema = pa.schema([self.schema.field(c) for c in columns])
+        for path in self.paths:
+            pieces = self._jsonl_batches(path, columns) if self.format == "jsonl" else \
+                self._parquet_batches(path, columns, batch_size)
+            for piece in pieces:
+                for start in range(0, piece.num_rows, batch_size):
+                    yield _conform(piece.slice(start, batch_size), schema)
+
+    def _jsonl_batches(self, path: Path, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        for table in self._jsonl_tables(path, self.schema):
+            yield from table.select(columns).to_batches()
+
+    @staticmethod
+    def _parquet_batches(path: Path, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
+        try:
+            with pq.ParquetFile(path) as parquet:
+                present = [c for c in columns if c in parquet.schema_arrow.names]
+                yield from parquet.iter_batches(batch_size=batch_size, columns=present)
+        except (pa.ArrowException, OSError) as err:
+            raise JobError(f"job.input: {path} is not a readable Parquet file ({first_line(err)})") from None
+
+    def fingerprint(self) -> list:
+        try:
+            return [[str(p), p.stat().st_size, file_hash(p)] for p in self.paths]
+        except OSError as err:
+            raise JobError(f"job.input: cannot read {err.filename} ({err.strerror})") from None
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """The batch with `schema`'s columns and types: absent columns null, narrower types cast."""
+    names = batch.schema.names
+    arrays = [batch.column(f.name).cast(f.type) if f.name in names else pa.nulls(batch.num_rows, f.type)
+              for f in schema]
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+# -- what each column is ---------------------------------------------------------------------------
+@dataclass
+class Columns:
+    id: str | None  # None: the ids are row numbers
+    prompt: str | None  # the text column; None for an OpenAI batch
+    openai: bool  # rows are OpenAI batch requests (custom_id, url, body.messages)
+    sampling: list[str]  # per-row sampling columns (of a text input) or fields of body (OpenAI)
+    keep: list[str]  # input columns carried to generations.parquet
+    has_url: bool = False  # an OpenAI batch with a url column
+
+    def read(self) -> list[str]:
+        """The input columns generating reads."""
+        if self.openai:
+            return ["body"] + (["url"] if self.has_url else [])
+        return [self.prompt] + self.sampling
+
+
+def is_openai_batch(schema: pa.Schema) -> bool:
+    if "custom_id" not in schema.names or "body" not in schema.names:
+        return False
+    body = schema.field("body").type
+    return pa.types.is_struct(body) and body.get_field_index("messages") >= 0
+
+
+def plan_columns(job, source: InputFiles, reserved: set[str]) -> Columns:
+    """Which input column is what; JobError naming the setting when a column asked for is not there.
+    `reserved`: the output's own column names, which a carried input column must not take."""
+    schema, where = source.schema, source.paths[0] if len(source.paths) == 1 else job.input
+    names = schema.names
+    openai = is_openai_batch(schema)
+    if job.id_column is not None and job.id_column not in names:
+        raise JobError(f"job.id_column: column {job.id_column!r} not in {where}; columns: {names} "
+                       f"(leave job.id_column unset to number the rows)")
+    if openai:
+        id_column, prompt = job.id_column or "custom_id", None
+        body = schema.field("body").type
+        sampling = [body.field(i).name for i in range(body.num_fields) if body.field(i).name in OPENAI_SAMPLING]
+    else:
+        if job.prompt_column not in names:
+            raise JobError(f"job.prompt_column: column {job.prompt_column!r} not in {where}; columns: {names}")
+        kind = _plain_type(schema.field(job.prompt_column).type)
+        if not (_is_text(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
+            raise JobError(f"job.prompt_column: column {job.prompt_column!r} in {where} holds {kind}, not strings")
+        id_column = job.id_column or (DEFAULT_ID_COLUMN if DEFAULT_ID_COLUMN in names else None)
+        prompt = job.prompt_column
+        sampling = [c for c in ROW_SAMPLING if c in names and c not in (id_column, prompt)]
+    candidates = [c for c in names if c not in (id_column, prompt)]
+    if job.keep_columns is None:
+        keep = [c for c in candidates if c not in reserved]
+        if len(keep) < len(candidates):
+            log.warning("job.keep_columns: input columns %s are not carried: generations.parquet has columns "
+                        "of those names", [c for c in candidates if c in reserved])
+    else:
+        keep = list(job.keep_columns)
+        for c in keep:
+            if c not in candidates:
+                raise JobError(f"job.keep_columns: {c!r} is not an input column other than the id and prompt; "
+                               f"columns: {candidates}")
+            if c in reserved:
+                raise JobError(f"job.keep_columns: {c!r} is also a column of generations.parquet")
+    return Columns(id_column, prompt, openai, sampling, keep, has_url=openai and "url" in names)
+
+
+def check_ids(source: InputFiles, column: str | None) -> pa.DataType:
+    """The type of the ids (int64 for row numbers); JobError if they are null, repeated or neither
+    integers nor strings. Reads the id column once and holds it while checking: duplicates are found by
+    sorting, about 24 bytes a row for integer ids (a hash table of counts took 80)."""
+    if column is None:
+        return pa.int64()
+    kind = _plain_type(source.schema.field(column).type)
+    if not (pa.types.is_integer(kind) or _is_text(kind)):
+        raise JobError(f"job.id_column: column {column!r} holds {kind}; ids must be integers or strings")
+    ids = pa.chunked_array([b.column(0) for b in source.batches([column], 1 << 16)], source.schema.field(column).type)
+    ids = ids.cast(kind).combine_chunks()
+    if ids.null_count:
+        raise JobError(f"job.id_column: column {column!r} has {ids.null_count} null ids")
+    ordered = ids.take(pc.sort_indices(ids))
+    del ids
+    later = ordered.slice(1)
+    repeated = pc.unique(later.filter(pc.equal(later, ordered.slice(0, len(later)))))
+    if len(repeated):
+        raise JobError(f"job.id_column: column {column!r} has {len(repeated)} duplicate ids, "
+                       f"e.g. {repeated[:5].to_pylist()}")
+    return pa.string() if _is_text(kind) else kind
+
+
+def input_rows(source: InputFiles, columns: Columns, batch_size: int) -> Iterator[tuple[int, dict]]:
+    """(row number, fields) of every input row, in order. Fields: "prompt" (bytes or None) or "messages"
+    (a conversation or None), "sampling" (the row's own values by SamplingParams field; None left out)
+    and, for an OpenAI batch, "url"."""
+    row = 0
+    for batch in source.batches(columns.read(), batch_size):
+        if columns.openai:
+            body = batch.column("body")
+            fields = [{"messages": m} for m in pc.struct_field(body, "messages").to_pylist()]
+            sampling = pa.RecordBatch.from_struct_array(body).select(columns.sampling).to_pylist()
+            urls = batch.column("url").to_pylist() if columns.has_url else [CHAT_URL] * batch.num_rows
+            for f, s, url in zip(fields, sampling, urls):
+                if f["messages"] is not None:
+                    f["messages"] = [{k: v for k, v in m.items() if v is not None} for m in f["messages"]]
+                f["sampling"] = {k: v for k, v in s.items() if v is not None}
+                if "max_completion_tokens" in f["sampling"]:  # OpenAI's newer name wins
+                    f["sampling"]["max_tokens"] = f["sampling"].pop("max_completion_tokens")
+                f["url"] = url
+        else:
+            prompts = batch.column(0)
+            if pa.types.is_dictionary(prompts.type):
+                prompts = prompts.dictionary_decode()
+            sampling = batch.select(columns.sampling).to_pylist()
+            fields = [{"prompt": p, "sampling": {k: v for k, v in s.items() if v is not None}}
+                      for p, s in zip(prompts.cast(pa.binary()).to_pylist(), sampling)]
+        for f in fields:
+            yield row, f
+            row += 1

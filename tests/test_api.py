@@ -1,0 +1,164 @@
+"""The Python API (engine/llm.py): the same greedy token ids as transformers and as the command line, outputs
+in input order, vLLM's option names, errors before any work, and a streaming core that holds a bounded window."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from omegaconf import OmegaConf
+from test_oracle import MAX_TOKENS, reference_outputs
+
+from engine import LLM, Request, RequestError, SamplingParams
+from engine.config import ConfigError
+from engine.llm import engine_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+TEXTS = ["hello", "paged attention", "a", "the block table maps logical blocks to physical ones"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_llm(qwen3_checkpoint):
+    path, _ = qwen3_checkpoint
+    return LLM(model=str(path), dtype="float32", max_model_len=128, device="cpu", block_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return LLM(model="tiny", max_model_len=128, device="cpu", max_num_seqs=4)
+
+
+def test_greedy_matches_transformers_and_the_command_line(qwen3_checkpoint, checkpoint_llm, tmp_path):
+    path, hf_model = qwen3_checkpoint
+    generator = torch.Generator().manual_seed(11)
+    id_prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (1, 5, 17, 40)]
+    text_ids = [checkpoint_llm.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    expected, gap = reference_outputs(hf_model, id_prompts + text_ids)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+
+    outputs = checkpoint_llm.generate(id_prompts + TEXTS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+    pq.write_table(pa.table({"prompt": TEXTS}), tmp_path / "in.parquet")
+    result = subprocess.run([sys.executable, "-m", "engine.run", f"job.input={tmp_path / 'in.parquet'}",
+                             f"hydra.run.dir={tmp_path / 'run'}", f"model.path={path}", "model.dtype=float32",
+                             "model.device=cpu", "model.max_model_len=128", f"sampling.max_tokens={MAX_TOKENS}"],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    cli = pq.read_table(tmp_path / "run" / "generations.parquet")["output_token_ids"].to_pylist()
+    assert cli == expected[len(id_prompts):]
+
+
+def test_outputs_come_in_input_order_with_their_fields(tiny):
+    prompts = ["hello", [5, 6, 7], "a longer prompt", [200]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 1, 6, 2)]
+    outputs = tiny.generate(prompts, params)
+    alone = [tiny.generate(p, s)[0] for p, s in zip(prompts, params)]  # one at a time: nothing to mix up
+    assert [o.request_id for o in outputs] == [0, 1, 2, 3]
+    for out, single, prompt, p in zip(outputs, alone, prompts, params):
+        completion = out.outputs[0]
+        assert completion.token_ids == single.outputs[0].token_ids and len(completion.token_ids) == p.max_tokens
+        assert completion.index == 0 and completion.finish_reason == "length" and completion.logprobs is None
+        assert completion.text == tiny.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        if isinstance(prompt, str):
+            assert out.prompt == prompt and out.prompt_token_ids == tiny.tokenizer.encode(prompt, add_special_tokens=False)
+            assert len(out.prompt_token_ids) == len(prompt.encode())  # byte-level: one token per byte
+        else:
+            assert out.prompt is None and out.prompt_token_ids == prompt
+        assert out.error is None and out.finished
+
+
+def test_engine_options_take_vllms_names(make_config):
+    options = {"dtype": "float32", "max_model_len": 256, "block_size": 8, "gpu_memory_utilization": 0.5,
+               "max_num_seqs": 4, "max_num_batched_tokens": 64, "seed": 3, "device": "cpu", "num_blocks": 100}
+    cfg = engine_config("tiny", **options)
+    sections = {"dtype": "model", "max_model_len": "model", "seed": "model", "device": "model", "block_size": "cache",
+                "gpu_memory_utilization": "cache", "num_blocks": "cache", "max_num_seqs": "scheduler",
+                "max_num_batched_tokens": "scheduler"}
+    assert {name: cfg[sections[name]][name] for name in options} == options
+    # without options: the command line's defaults, composed by Hydra from the same files
+    plain, hydra = engine_config("tiny"), make_config()
+    for section in ("model", "cache", "scheduler", "sampling"):
+        assert OmegaConf.to_container(plain[section]) == OmegaConf.to_container(hydra[section])
+    with pytest.raises(TypeError, match=r"LLM\(\) got unknown engine options \['max_num_seq', 'tensor_parallel'\]; known: "):
+        LLM(model="tiny", max_num_seq=4, tensor_parallel=2)
+    with pytest.raises(ConfigError, match=r"block_size: Value 'big' of type 'str' could not be converted to Integer"):
+        LLM(model="tiny", block_size="big")
+    with pytest.raises(ConfigError, match=r"cache.block_size must be >= 1, got 0"):
+        LLM(model="tiny", block_size=0)
+
+
+def test_model_is_a_conf_name_a_directory_or_a_hub_id(qwen3_checkpoint):
+    path, _ = qwen3_checkpoint
+    named = engine_config("qwen3-0.6b")
+    assert named.model.name == "qwen3-0.6b" and named.model.path is None and named.model.hidden_size == 1024
+    assert engine_config(str(path)).model.path == str(path)
+    assert engine_config("Qwen/Qwen3-0.6B").model.path == "Qwen/Qwen3-0.6B"  # the loader resolves hub ids
+
+
+def test_a_prompt_that_cannot_run_stops_generate_before_any_work(tiny):
+    steps = len(tiny.engine.stats.steps)
+    with pytest.raises(RequestError, match=r"prompt 1: prompt has 200 tokens; model.max_model_len 128 leaves no room"):
+        tiny.generate(["fine", "x" * 200])
+    with pytest.raises(RequestError, match=r"prompt 0: prompt is empty"):
+        tiny.generate([""])
+    with pytest.raises(ValueError, match=r"2 sampling_params for 3 prompts"):
+        tiny.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
+    assert len(tiny.engine.stats.steps) == steps and not tiny.engine.scheduler.has_work()
+
+
+def test_stream_pulls_requests_only_while_its_window_has_room(tiny):
+    prompts = [f"request {i} " * (1 + i % 5) for i in range(24)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    window, pulled, seen = 3, 0, []
+
+    def requests():
+        nonlocal pulled
+        for i, prompt in enumerate(prompts):
+            pulled += 1
+            yield Request(i, prompt=prompt, sampling_params=params)
+        pulled += 1
+        yield Request("null", prompt=None)
+        pulled += 1
+        yield Request("flagged", prompt="x", error="known bad")
+
+    for out in tiny.stream(requests(), window=window):
+        assert pulled - len(seen) <= window, "more requests were pulled than the window holds"
+        seen.append(out)
+    results = {o.request_id: o for o in seen}
+    assert len(seen) == len(results) == len(prompts) + 2
+    assert results["null"].error == "prompt is null" and results["null"].outputs == []
+    assert results["flagged"].error == "known bad"
+    expected = tiny.generate(prompts, params)
+    assert [results[i].outputs[0].token_ids for i in range(len(prompts))] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_stream_left_half_way_does_not_leak_into_the_next(tiny):
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    expected = tiny.generate(["one", "two", "three"], params)
+    stream = tiny.stream((Request(i, prompt=f"left {i}", sampling_params=params) for i in range(10)), window=4)
+    next(stream)
+    stream.close()
+    again = tiny.generate(["one", "two", "three"], params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_chat_applies_the_chat_template(chat_checkpoint, tiny):
+    with pytest.raises(ConfigError, match=r"model 'tiny' has no chat template"):
+        tiny.chat([{"role": "user", "content": "hi"}])
+    llm = LLM(model=str(chat_checkpoint), dtype="float32", max_model_len=128, device="cpu")
+    conversations = [[{"role": "user", "content": "hi"}],
+                     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]]
+    params = SamplingParams(max_tokens=6)
+    for kwargs, suffix in ((None, "<|assistant|>"), ({"brief": True}, "<|assistant|>(briefly)")):
+        outputs = llm.chat(conversations, params, chat_template_kwargs=kwargs)
+        rendered = ["".join(f"<|{m['role']}|>{m['content']}\n" for m in c) + suffix for c in conversations]
+        expected = llm.generate([llm.tokenizer.encode(r, add_special_tokens=False) for r in rendered], params)
+        assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert llm.chat(conversations[0])[0].request_id == 0  # one conversation alone
