@@ -130,6 +130,13 @@ class Config:
     job: Any = MISSING
 
 
+@dataclass
+class NoJob:
+    """The job node of a config that no job runs (engine.LLM builds one)."""
+
+    name: str = "llm"
+
+
 JOB_SCHEMAS = {"generate": GenerateJob, "bench": BenchJob, "analyze": AnalyzeJob}  # job=<name> -> its keys
 
 
@@ -160,7 +167,7 @@ def key_help(schema: type) -> dict[str, str]:
 def _schema_of(owner: type, name: str, job: str | None) -> type | None:
     """The dataclass under key `name` of `owner` (job: the schema of job=`job`); None for a leaf."""
     if owner is Config and name == "job":
-        return JOB_SCHEMAS.get(job)
+        return JOB_SCHEMAS.get(job, NoJob)
     kind = owner.__dataclass_fields__[name].type
     return kind if dataclasses.is_dataclass(kind) else None
 

@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from engine.config import CacheConfig, Config, ConfigError, ModelConfig, SchedulerConfig, check_pool, validate
+from engine.config import CacheConfig, Config, ConfigError, ModelConfig, NoJob, SchedulerConfig, check_pool, validate
 from engine.engine import LLMEngine, RequestError
 from engine.sequence import SamplingParams
 
@@ -87,7 +87,7 @@ def engine_config(model: str, **options) -> DictConfig:
     groups = default_groups()
     is_name = model in model_names()
     cfg = OmegaConf.structured(Config)
-    cfg.job = {"name": "llm"}
+    cfg.job = OmegaConf.structured(NoJob)
     for section in ("model", "cache", "scheduler", "sampling"):
         option = model if section == "model" and is_name else groups[section]
         cfg[section] = OmegaConf.merge(cfg[section], OmegaConf.load(CONF_DIR / section / f"{option}.yaml"))

@@ -75,10 +75,12 @@ def test_outputs_come_in_input_order_with_their_fields(tiny):
 
 def test_engine_options_take_vllms_names(make_config):
     options = {"dtype": "float32", "max_model_len": 256, "block_size": 8, "gpu_memory_utilization": 0.5,
-               "max_num_seqs": 4, "max_num_batched_tokens": 64, "seed": 3, "device": "cpu", "num_blocks": 100}
+               "max_num_seqs": 4, "max_num_batched_tokens": 64, "seed": 3, "device": "cpu", "num_blocks": 100,
+               "enable_prefix_caching": False}
     cfg = engine_config("tiny", **options)
     sections = {"dtype": "model", "max_model_len": "model", "seed": "model", "device": "model", "block_size": "cache",
-                "gpu_memory_utilization": "cache", "num_blocks": "cache", "max_num_seqs": "scheduler",
+                "gpu_memory_utilization": "cache", "num_blocks": "cache", "enable_prefix_caching": "cache",
+                "max_num_seqs": "scheduler",
                 "max_num_batched_tokens": "scheduler"}
     assert {name: cfg[sections[name]][name] for name in options} == options
     # without options: the command line's defaults, composed by Hydra from the same files
