@@ -43,7 +43,7 @@ def pct(part: float, whole: float) -> float:
     return 100.0 * part / whole if whole else 0.0
 
 
-@dataclass
+@dataclass(slots=True)  # one per step of a run: slots keep a long run's list small
 class StepStats:
     step: int
     phase: str
@@ -128,8 +128,9 @@ class StatsRecorder:
         return [asdict(s) for s in self.steps]
 
     def table(self) -> pa.Table:
-        """steps.parquet: one row per step, with its schema even when there is no step."""
-        return pa.Table.from_pylist(self.rows(), schema=STEPS_SCHEMA)
+        """steps.parquet: one row per step, with its schema even when there is no step (built a column at a
+        time: a long run's steps as dicts would be the largest thing the job ever holds)."""
+        return pa.table({f.name: [getattr(s, f.name) for s in self.steps] for f in STEPS_SCHEMA}, schema=STEPS_SCHEMA)
 
     def summary(self, num_blocks: int, block_size: int, max_model_len: int) -> dict:
         """Run-level figures from the steps (the config part of summary.parquet is added by the job)."""

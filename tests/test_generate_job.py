@@ -58,8 +58,9 @@ def test_peak_memory_does_not_grow_with_the_number_of_rows(make_config, tmp_path
         path = tmp_path / f"in-{num_rows}.parquet"
         pq.write_table(pa.table({"prompt": [f"row {i}: " + "lorem ipsum dolor sit amet " * 4 for i in range(num_rows)]}), path)
         (tmp_path / f"run-{num_rows}").mkdir()
+        # a small pool: the prefix cache's index grows with the pool (~150 bytes a block), not with the rows
         cfg = make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=256", "sampling.max_tokens=1",
-                          "job.flush_every=64")
+                          "job.flush_every=64", "cache.num_blocks=64")
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
         generate_job(cfg, tmp_path / f"run-{num_rows}")

@@ -145,8 +145,8 @@ def job_args(prompts, run_dir, *extra):
             "job.flush_every=8", *extra]
 
 
-def start(prompts, run_dir):
-    return subprocess.Popen(job_args(prompts, run_dir), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+def start(prompts, run_dir, *extra):
+    return subprocess.Popen(job_args(prompts, run_dir, *extra), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -168,8 +168,8 @@ def saved_ids(parts: dict, run_dir: Path) -> list:
     return [i for name in parts for i in pq.read_table(run_dir / "generations.parts" / name)["row"].to_pylist()]
 
 
-def finish(prompts, run_dir):
-    result = subprocess.run(job_args(prompts, run_dir), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def finish(prompts, run_dir, *extra):
+    result = subprocess.run(job_args(prompts, run_dir, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout + result.stderr
 
@@ -224,8 +224,9 @@ def test_sigkill_then_resume(prompts, tmp_path):
 def test_sigint_and_sigterm_save_the_finished_rows_and_stop(prompts, tmp_path):
     run_dir = tmp_path / "run"
     parts_seen = 0
+    longer = "sampling.max_tokens=60"  # the job must still be running when the signal comes, on a busy machine too
     for sig, code, name in ((signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")):
-        proc = start(prompts, run_dir)
+        proc = start(prompts, run_dir, longer)
         wait_for_parts(run_dir, parts_seen + 1, proc)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
@@ -237,6 +238,6 @@ def test_sigint_and_sigterm_save_the_finished_rows_and_stop(prompts, tmp_path):
         ids = saved_ids(parts, run_dir)
         assert len(ids) == len(set(ids)) < NUM_ROWS and not (run_dir / "generations.parquet").exists()
         parts_seen = len(parts)
-    log = finish(prompts, run_dir)
+    log = finish(prompts, run_dir, longer)
     assert f"resuming: {len(ids)} of {NUM_ROWS} rows already written" in log
     check_complete(run_dir)
