@@ -4,8 +4,10 @@ Randomness comes from a counter-based hash of (request seed, output index, token
 generator's state, so a request's tokens depend only on its own seed and logits: the same seed gives
 the same output whatever else is in the batch, and after a preemption the recomputed step draws the
 same noise again. Sampling is Gumbel-max: argmax(logits / T + G) with G = -log(-log U) picks token i
-with probability softmax(logits / T)_i. Without top-k/top-p it is one pass over the logits
-(ops.gumbel_sample: a Triton kernel on CUDA that computes the same noise; gumbel_scores().argmax on CPU).
+with probability softmax(logits / T)_i; with top-k/top-p the argmax runs over the kept set, which
+picks a token with its probability renormalised over that set. Ties of logit values are kept or
+dropped together (ops/sampling_reference.kept_mask). On CUDA both are Triton kernels that never sort
+the vocabulary (ops/sampling.py); on CPU the PyTorch references.
 """
 from dataclasses import dataclass
 
@@ -13,7 +15,6 @@ import torch
 
 import ops
 from engine.sequence import SamplingParams
-from ops.fused_reference import gumbel_scores, uniform_noise  # noqa: F401  (the noise the Triton kernel reproduces)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -44,25 +45,10 @@ class SamplingTensors:
         )
 
 
-def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """Sorted logits with everything outside top-k and top-p set to -inf, and their token ids."""
-    sorted_logits, token_ids = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (rank[None, :] >= top_k[:, None]) | (mass_before > top_p[:, None])
-    return sorted_logits.masked_fill(drop, float("-inf")), token_ids
-
-
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Token ids [B] from logits [B, V] in the model's dtype (sampling math in float32)."""
     if t.all_greedy:
         return logits.argmax(dim=-1)
     if not t.any_truncation:  # one pass over the logits; rows at temperature 0 take the argmax
-        return ops.gumbel_sample(logits, t.temperature, t.seed, t.step)  # = gumbel_scores(...).argmax(-1)
-    logits = logits.float()
-    temperature = t.temperature.clamp(min=1e-6)
-    kept, token_ids = truncate(logits / temperature[:, None], t.top_k, t.top_p)
-    scores = gumbel_scores(kept, torch.ones_like(temperature), t.seed, t.step, token_ids)
-    drawn = token_ids.gather(-1, scores.argmax(dim=-1, keepdim=True)).squeeze(-1)
-    return torch.where(t.temperature == 0, logits.argmax(dim=-1), drawn)
+        return ops.gumbel_sample(logits, t.temperature, t.seed, t.step)
+    return ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step)

@@ -1,8 +1,9 @@
-"""Paged-KV ops and the fused elementwise ops of a decoder layer.
+"""Paged-KV ops, the fused elementwise ops of a decoder layer, and sampling.
 
 Each takes backend=None|"triton"|"torch": None picks Triton for CUDA tensors and the PyTorch reference
-otherwise. Contracts and shapes: ops/reference.py, ops/fused_reference.py and DESIGN.md. The Triton
-modules (ops/triton_ops.py, ops/fused.py) are imported only when asked for: triton is optional on CPU.
+otherwise. Contracts and shapes: ops/reference.py, ops/fused_reference.py, ops/sampling_reference.py
+and DESIGN.md. The Triton modules (ops/triton_ops.py, ops/fused.py, ops/sampling.py) are imported only
+when asked for: triton is optional on CPU.
 """
 import torch
 
@@ -36,6 +37,16 @@ def _pick_fused(backend, tensor):
     from ops import fused
 
     return fused
+
+
+def _pick_sampling(backend, tensor):
+    if not _use_triton(backend, tensor):
+        from ops import sampling_reference
+
+        return sampling_reference
+    from ops import sampling
+
+    return sampling
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=None):
@@ -102,5 +113,12 @@ def silu_and_mul(x, backend=None):
 
 def gumbel_sample(logits, temperature, seed, step, backend=None):
     """One Gumbel-max draw per row: argmax_v logits[b, v] / temperature[b] + G(seed[b], step[b], v)
-    with engine/sampler's counter-based noise; logits float32 [B, V], temperature > 0 -> int64 [B]."""
-    return _pick_fused(backend, logits).gumbel_sample(logits, temperature, seed, step)
+    with the counter-based noise of ops/sampling_reference.py; logits [B, V] of any float dtype,
+    temperature >= 0 (0: the argmax) -> int64 [B]."""
+    return _pick_sampling(backend, logits).gumbel_sample(logits, temperature, seed, step)
+
+
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend=None):
+    """The same draw over the kept set of top-k and top-p (ties of logit values kept together:
+    ops/sampling_reference.kept_mask); top_k int64 [B] (>= V: off), top_p float32 [B] (1: off)."""
+    return _pick_sampling(backend, logits).top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)

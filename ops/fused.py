@@ -6,7 +6,6 @@ references: ops/fused_reference.py).
     qk_norm_rope(q[T,Hq,D], k[T,Hkv,D], q_weight[D], k_weight[D], eps, cos[P,D], sin[P,D], positions[T])
         -> (q', k')
     silu_and_mul(x[T, 2I]) -> [T, I]
-    gumbel_sample(logits[B,V] float, temperature[B] f32, seed[B] i64, step[B] i64, num_splits=None) -> i64 [B]
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
 rounding steps (float32 math, casts to the model dtype where the torch code casts). None of them
@@ -19,24 +18,11 @@ Kernels:
 - qk_norm_rope: one program per (token, group of heads); each element also loads its rotary
   partner (d +- D/2) and normalises it with the same per-head scale, so no shuffle is needed.
 - silu_and_mul: one program per (row, tile of I).
-- gumbel_sample: programs per (row, vocabulary range) loop over vocabulary tiles keeping a
-  per-lane running max and argmax (first index on ties); logits of any float dtype are read once
-  and widened to float32 in registers; a row at temperature 0 takes the plain argmax. The
-  counter-based noise is computed in the kernel (uint32 arithmetic, bit-identical to
-  ops/fused_reference.uniform_noise for seed and step in [0, 2^32)). With one range per row the program writes the token id; otherwise each range
-  writes (max, argmax) and a second kernel reduces the ranges of a row. On CUDA the score uses
-  IEEE division and libdevice's logf, as torch's CUDA kernels do, so that ties resolve alike.
+The sampling kernels are in ops/sampling.py.
 """
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
-
-try:
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - only the interpreter path is usable then
-    libdevice = None
 
 
 def _num_warps(block):
@@ -202,146 +188,6 @@ def _silu_and_mul_impl(x):
 
 
 # --------------------------------------------------------------------------------------------
-# gumbel_sample
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _mix32(x):
-    """ops/fused_reference.mix32 on uint32 values: the same bits as its int64 arithmetic (which keeps
-    the low 32 bits of each product)."""
-    x = (x ^ (x >> 16)) * 0x45D9F3B
-    x = (x ^ (x >> 16)) * 0x45D9F3B
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _row_key(seed_ptr, step_ptr, b):
-    seed = tl.load(seed_ptr + b).to(tl.uint32)
-    step = tl.load(step_ptr + b).to(tl.uint32)
-    return _mix32(_mix32(seed) ^ step)
-
-
-@triton.jit
-def _uniform(key, v):
-    """uniform_noise for token ids v (int32 >= 0) of a row whose key is _row_key."""
-    bits = _mix32(key ^ v.to(tl.uint32)) >> 8  # 24 bits: exact in float32
-    return (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-
-
-@triton.jit
-def _uniform_kernel(seed_ptr, step_ptr, ids_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
-    """Test helper: out[b, v] = uniform_noise(seed[b], step[b], ids[b, v]) (contiguous [B, V])."""
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = offs < V
-    v = tl.load(ids_ptr + b * V + offs, mask=mask, other=0)
-    u = _uniform(_row_key(seed_ptr, step_ptr, b), v.to(tl.int32))
-    tl.store(out_ptr + b * V + offs, u, mask=mask)
-
-
-@triton.jit
-def _gumbel_kernel(
-    logits_ptr, temp_ptr, seed_ptr, step_ptr, out_ptr, part_max_ptr, part_idx_ptr,
-    V, chunk, s_lb, s_lv,
-    NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, CUDA_MATH: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    temp = tl.load(temp_ptr + b)
-    greedy = temp == 0.0  # temperature 0: plain argmax, no noise
-    temp_safe = tl.where(temp == 0.0, 1.0, temp)
-    key = _row_key(seed_ptr, step_ptr, b)
-    row = logits_ptr + b * s_lb
-    offs = tl.arange(0, BLOCK_V)
-    start = split * chunk
-    end = tl.minimum(start + chunk, V)
-    best = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-    best_idx = tl.zeros([BLOCK_V], dtype=tl.int32)
-    for v0 in range(start, end, BLOCK_V):
-        v = v0 + offs
-        mask = v < end
-        x = tl.load(row + v * s_lv, mask=mask, other=float("-inf")).to(tl.float32)
-        u = _uniform(key, v)
-        scaled = tl.math.div_rn(x, temp_safe + tl.zeros_like(x))  # IEEE division, as torch
-        if CUDA_MATH:
-            noise = libdevice.log(-libdevice.log(u))
-        else:
-            noise = tl.log(-tl.log(u))
-        score = tl.where(mask, tl.where(greedy, x, scaled - noise), float("-inf"))
-        take = score > best  # strict: each lane keeps its first maximum
-        best = tl.where(take, score, best)
-        best_idx = tl.where(take, v, best_idx)
-    m = tl.max(best, 0)
-    idx = tl.min(tl.where(best == m, best_idx, V), 0)  # first index among the lanes' maxima
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + b, idx.to(tl.int64))
-    else:
-        tl.store(part_max_ptr + b * NUM_SPLITS + split, m)
-        tl.store(part_idx_ptr + b * NUM_SPLITS + split, idx)
-
-
-@triton.jit
-def _gumbel_reduce_kernel(part_max_ptr, part_idx_ptr, out_ptr, V,
-                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_S)
-    mask = offs < NUM_SPLITS
-    m = tl.load(part_max_ptr + b * NUM_SPLITS + offs, mask=mask, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + b * NUM_SPLITS + offs, mask=mask, other=V)
-    best = tl.max(m, 0)
-    # ranges are ordered by token id, so the smallest index among the maxima is the first one
-    tl.store(out_ptr + b, tl.min(tl.where(m == best, idx, V), 0).to(tl.int64))
-
-
-# Tunables. Keys: "gpu" / "interp". The split count is a constant, not a function of the batch size:
-# NUM_SPLITS is a compile-time constant of the kernels, and a count that followed the batch recompiled
-# them whenever the batch shrank past a threshold (seconds each, inside the timed run).
-GUMBEL_CFG = {
-    "gpu": dict(BLOCK_V=2048, num_warps=8, num_splits=16),
-    "interp": dict(BLOCK_V=1024, num_warps=4, num_splits=2),
-}
-
-
-def _gumbel_sample_impl(logits, temperature, seed, step, num_splits=None):
-    B, V = logits.shape
-    temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
-    if B == 0:
-        return out
-    cfg = GUMBEL_CFG["gpu" if logits.is_cuda else "interp"]
-    block_v = min(cfg["BLOCK_V"], triton.next_power_of_2(V))
-    num_splits = max(1, min(int(num_splits or cfg["num_splits"]), triton.cdiv(V, block_v)))
-    chunk = triton.cdiv(triton.cdiv(V, num_splits), block_v) * block_v
-    if num_splits > 1:
-        part_max = torch.empty((B, num_splits), dtype=torch.float32, device=logits.device)
-        part_idx = torch.empty((B, num_splits), dtype=torch.int32, device=logits.device)
-    else:
-        part_max, part_idx = out, out  # unused
-    _gumbel_kernel[(B, num_splits)](
-        logits, temperature, seed, step, out, part_max, part_idx,
-        V, chunk, *logits.stride(),
-        NUM_SPLITS=num_splits, BLOCK_V=block_v, CUDA_MATH=logits.is_cuda and libdevice is not None,
-        num_warps=cfg["num_warps"],
-    )
-    if num_splits > 1:
-        _gumbel_reduce_kernel[(B,)](
-            part_max, part_idx, out, V,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1,
-        )
-    return out
-
-
-def uniform_noise(seed, step, token_ids):
-    """The sampler's uniform noise [B, V] computed by the kernels' hash (for tests)."""
-    B, V = token_ids.shape
-    ids = token_ids.to(torch.int32).contiguous()
-    out = torch.empty((B, V), dtype=torch.float32, device=token_ids.device)
-    if B and V:
-        block = min(1024, triton.next_power_of_2(V))
-        _uniform_kernel[(B, triton.cdiv(V, block))](seed, step, ids, out, V, BLOCK_V=block)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # registration as torch.library custom ops (opaque to torch.compile, capturable in CUDA graphs)
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("minipaged::rms_norm", mutates_args=())
@@ -388,17 +234,6 @@ def _(x):
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
-@torch.library.custom_op("minipaged::gumbel_sample", mutates_args=())
-def _gumbel_sample_op(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-                      step: torch.Tensor, num_splits: Optional[int] = None) -> torch.Tensor:
-    return _gumbel_sample_impl(logits, temperature, seed, step, num_splits)
-
-
-@_gumbel_sample_op.register_fake
-def _(logits, temperature, seed, step, num_splits=None):
-    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
-
-
 # --------------------------------------------------------------------------------------------
 # public functions (same positional arguments as ops/fused_reference.py)
 # --------------------------------------------------------------------------------------------
@@ -430,10 +265,3 @@ def silu_and_mul(x):
         return torch.ops.minipaged.silu_and_mul(x)
     return _silu_and_mul_impl(x)
 
-
-def gumbel_sample(logits, temperature, seed, step, num_splits: Optional[int] = None):
-    """num_splits: force the number of vocabulary ranges per row (tests, benchmarks); None picks
-    it from shapes."""
-    if _compiling():
-        return torch.ops.minipaged.gumbel_sample(logits, temperature, seed, step, num_splits)
-    return _gumbel_sample_impl(logits, temperature, seed, step, num_splits)

@@ -1,7 +1,7 @@
 """Readable PyTorch versions of the fused elementwise ops (Triton versions: ops/fused.py).
 
-They reproduce the unfused code of engine/models/qwen3.py and engine/sampler.py operation for
-operation (same rounding steps), so the torch backend gives bit-identical results to it:
+They reproduce the unfused code of engine/models/qwen3.py operation for operation (same rounding
+steps), so the torch backend gives bit-identical results to it:
 
     rms_norm(x[T,H], weight[H], eps) -> [T,H]
         weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)   (Hugging Face order)
@@ -10,15 +10,9 @@ operation (same rounding steps), so the torch backend gives bit-identical result
         -> (q', k'): per-head rms_norm over D, then x*cos + rotate_half(x)*sin with the float32
         tables cast to the model dtype first; rotate_half(x) = cat(-x2, x1)
     silu_and_mul(x[T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:]
-    gumbel_sample(logits[B,V] float, temperature[B] float32 >= 0, seed[B] int64, step[B] int64)
-        -> int64 [B] = argmax_v logits[b,v] / temperature[b] - log(-log(U(seed[b], step[b], v))),
-        in float32, first index on ties; U is uniform_noise below (seed, step in [0, 2^32));
-        a row at temperature 0 takes argmax_v logits[b,v].
 """
 import torch
 import torch.nn.functional as F
-
-_MASK32 = 0xFFFFFFFF
 
 
 def rms_norm(x, weight, eps):
@@ -46,29 +40,3 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions):
 def silu_and_mul(x):
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def mix32(x):
-    """A 32-bit integer hash, in int64 arithmetic that cannot overflow."""
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seed, step, token_ids):
-    """Uniform (0, 1) values [B, V], a pure function of (seed[b], step[b], token_ids[b, v])."""
-    key = mix32(mix32(seed) ^ step)
-    bits = mix32(key[:, None] ^ token_ids) >> 8  # 24 bits: exact in float32
-    return (bits.float() + 0.5) / float(1 << 24)
-
-
-def gumbel_scores(logits, temperature, seed, step, token_ids):
-    """logits / T + Gumbel noise drawn for (seed, step, token id); its argmax is a sample."""
-    return logits / temperature[:, None] - (-uniform_noise(seed, step, token_ids).log()).log()
-
-
-def gumbel_sample(logits, temperature, seed, step):
-    token_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    logits, greedy = logits.float(), temperature == 0
-    scores = gumbel_scores(logits, torch.where(greedy, 1.0, temperature), seed, step, token_ids)
-    return torch.where(greedy[:, None], logits, scores).argmax(dim=-1)

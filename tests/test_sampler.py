@@ -1,14 +1,97 @@
+"""Tests of sampling: engine/sampler.py and its ops (ops/sampling.py, ops/sampling_reference.py).
+
+Oracles: float64 Gumbel scores; a float64 kept set computed here the slow, obvious way (the count
+and mass of the logits strictly above each token's, O(V^2)); and the empirical distribution of many
+draws. On CPU the Triton kernels run under the interpreter on float32 logits (bf16's ties come from
+float32 values rounded to bf16; the interpreter rounds bf16 itself wrongly); on CUDA bf16 runs too.
+Inputs are fresh random draws (the seed is in each failure message), as views of wider buffers
+whose extra columns hold +inf (a stray read would win); Triton's buffers are allocated poisoned.
+Rows whose kept set depends on float32 rounding (a token's mass within 1e-5 of top_p) are left out
+of the exact comparisons; the tests check that they are few.
+"""
+import math
+import os
+
 import torch
 
-from engine.engine import LLMEngine
-from engine.sampler import SamplingTensors, sample
-from engine.sequence import SamplingParams
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from test_fused import DEVICE, ON_GPU, _PoisonedTorch, gen  # noqa: E402,F401  (gen: a fixture)
+
+import ops  # noqa: E402
+from engine.engine import LLMEngine  # noqa: E402
+from engine.sampler import SamplingTensors, sample  # noqa: E402
+from engine.sequence import SamplingParams  # noqa: E402
+from ops import sampling_reference as reference  # noqa: E402
+
+BACKENDS = ["triton", "torch"]
+INF = float("inf")
+# tiny buffers: candidates overflow their splits, and the one-lane chains rarely settle a
+# rejected draw, so the count and noise passes of _finish_kernel run often
+TIGHT = dict(stats=dict(num_splits=2, block=16, cap=4, num_warps=1),
+             chain=dict(num_splits=1, block=16, num_warps=1),
+             finish=dict(block=64, num_warps=1))
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    from ops import sampling
+
+    monkeypatch.setattr(sampling, "torch", _PoisonedTorch())
 
 
 def tensors(params, steps, vocab):
     return SamplingTensors.build(params, steps, vocab, "cpu")
 
 
+def logits_view(gen, B, V, scale=3.0, pad=0, bf16_values=False):
+    """N(0, scale^2) logits [B, V] (float32, or bf16 on CUDA when bf16_values; on CPU bf16_values
+    rounds float32 to bf16 values), as a view of a buffer with `pad` extra columns of +inf."""
+    buf = torch.full((B, V + pad), INF)
+    values = torch.randn(B, V, generator=gen) * scale
+    buf[:, :V] = values.bfloat16().float() if bf16_values else values
+    dtype = torch.bfloat16 if bf16_values and ON_GPU else torch.float32
+    return buf.to(dtype).to(DEVICE)[:, :V]
+
+
+def row_settings(gen, B, V):
+    """Per row (temperature, top_k, top_p), cycling through greedy, plain temperature, top-k only,
+    top-p only, both, k = 1, a tiny p, and p with k = V - 1."""
+    temperature = (torch.rand(B, generator=gen) * 1.7 + 0.3)
+    k = torch.randint(1, 60, (B,), generator=gen)
+    p = torch.rand(B, generator=gen) * 0.94 + 0.05
+    kind = torch.arange(B) % 8
+    temperature = torch.where(kind == 0, 0.0, temperature)
+    top_k = torch.where((kind == 2) | (kind == 4), k, torch.where(kind == 5, 1, V))
+    top_k = torch.where(kind == 7, V - 1, top_k)
+    top_p = torch.where((kind == 3) | (kind == 4) | (kind == 7), p, torch.where(kind == 6, 1e-4, 1.0))
+    seed = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64)
+    step = torch.randint(0, 2**20, (B,), generator=gen, dtype=torch.int64)
+    return [t.to(DEVICE) for t in (temperature, top_k, top_p.float(), seed, step)]
+
+
+def oracle_kept(logits, temperature, top_k, top_p):
+    """float64, O(V^2): K [B, V] from the count and mass of the logits strictly above each token's."""
+    kept = []
+    for l, t, k, p in zip(logits.double().cpu(), temperature.tolist(), top_k.tolist(), top_p.tolist()):
+        e = torch.exp((l - l.max()) / (t or 1.0))
+        above = l[None, :] > l[:, None]  # [i, j]: l_j > l_i
+        count, mass = above.sum(-1), (above * e).sum(-1)
+        kept.append((count == 0) | ((count < k) & ((p >= 1) | (mass <= p * e.sum()))))
+    return torch.stack(kept)
+
+
+def near_boundary(logits, temperature, top_p):
+    """Rows [B] where some prefix of the logits sorted in float64 has a mass within 1e-5 of top_p."""
+    l = logits.double()
+    e = torch.exp((l - l.max(-1, keepdim=True).values) / torch.where(temperature > 0, temperature, 1).double()[:, None])
+    prefix = e.sort(-1, descending=True).values.cumsum(-1) / e.sum(-1, keepdim=True)
+    return ((top_p < 1) & (temperature > 0) & ((prefix - top_p.double()[:, None]).abs() < 1e-5).any(-1)).cpu()
+
+
+# --- the sampler ---------------------------------------------------------------------------
 def test_temperature_zero_is_argmax():
     logits = torch.randn(5, 50)
     params = [SamplingParams(temperature=0.0)] * 5
@@ -30,6 +113,24 @@ def test_draws_follow_the_tempered_distribution():
     draws = sample(logits.expand(n, 4), tensors([SamplingParams(temperature=temperature, seed=3)] * n, list(range(n)), 4))
     freq = torch.bincount(draws, minlength=4).float() / n
     assert torch.allclose(freq, (logits / temperature).softmax(-1), atol=0.015)
+
+
+# masses above each tie group at T = 0.8: 0, .497, .896, .968, .988, .9995 (no boundary within .003)
+TIED = torch.tensor([2.0, 2.0, 1.5, 1.5, 1.5, 1.0, 0.0, -1.0, -1.0, -3.0])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (3, 1.0), (10, 0.5), (6, 0.9), (2, 0.3)])
+def test_draws_follow_the_tempered_distribution_over_the_kept_set(top_k, top_p):
+    """Chi-square against softmax(logits / T) renormalised over K; a K cut by sort position (tokens
+    of one tie group split, as (1, 1.0), (3, 1.0) and (10, 0.5) would be) leaves kept tokens unseen."""
+    n, V, temperature = 20000, TIED.numel(), 0.8
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)] * n
+    counts = torch.bincount(sample(TIED.expand(n, V), tensors(params, list(range(n)), V)), minlength=V)
+    kept = oracle_kept(TIED[None], torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]))[0]
+    assert counts[~kept].sum() == 0, f"drawn outside K: {counts.tolist()}, K = {kept.tolist()}"
+    expected = n * (TIED / temperature).softmax(-1)[kept] / (TIED / temperature).softmax(-1)[kept].sum()
+    chi2, dof = ((counts[kept] - expected) ** 2 / expected).sum().item(), kept.sum().item() - 1
+    assert chi2 < dof + 8 * math.sqrt(2 * dof) + 8, f"chi2 {chi2:.1f} with {dof} dof: {counts.tolist()}"
 
 
 def test_top_k_and_top_p_cut_the_tail():
@@ -54,3 +155,217 @@ def test_seeded_request_is_independent_of_the_batch(make_config):
     same = crowded.add_request("x", [5, 6, 7, 8], sampling)
     list(crowded.run())
     assert same.output_token_ids == target.output_token_ids
+
+
+# --- the kept set --------------------------------------------------------------------------
+@pytest.mark.parametrize("bf16_values,scale", [(False, 3.0), (True, 0.5), (True, 3.0)])
+def test_reference_kept_set_matches_float64(gen, bf16_values, scale):
+    B, V = 16, 600
+    logits = logits_view(gen, B, V, scale=scale, bf16_values=bf16_values)
+    temperature, top_k, top_p, _, _ = row_settings(gen, B, V)
+    near = near_boundary(logits, temperature, top_p)
+    rows = (temperature > 0).cpu() & ~near
+    assert near.sum() <= 2, f"seed={gen.initial_seed()}"
+    kept = reference.kept_mask(logits, temperature, top_k, top_p).cpu()
+    assert torch.equal(kept[rows], oracle_kept(logits, temperature, top_k, top_p)[rows]), f"seed={gen.initial_seed()}"
+
+
+def test_top_k_top_p_reference_is_the_best_kept_score(gen):
+    B, V = 16, 600
+    logits = logits_view(gen, B, V, bf16_values=True)
+    temperature, top_k, top_p, seed, step = row_settings(gen, B, V)
+    rows = ~near_boundary(logits, temperature, top_p)
+    u = reference.uniform_noise(seed, step, torch.arange(V, device=DEVICE)[None, :])
+    scores = logits.double() / temperature.double()[:, None] - torch.log(-torch.log(u.double()))
+    scores = torch.where((temperature > 0)[:, None], scores, logits.double())
+    best = scores.cpu().masked_fill(~oracle_kept(logits, temperature, top_k, top_p), -INF).argmax(-1)
+    drawn = ops.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend="torch").cpu()
+    assert torch.equal(drawn[rows], best[rows]), f"seed={gen.initial_seed()}"
+
+
+# --- the Triton kernels against the reference ----------------------------------------------
+KERNEL_CASES = [("default", False, 3.0), ("default", True, 0.5), ("tight", True, 1.0)]
+
+
+@pytest.mark.parametrize("cfg,bf16_values,scale", KERNEL_CASES)
+def test_top_k_top_p_kernel_matches_reference(gen, cfg, bf16_values, scale):
+    from ops import sampling
+
+    B, V = (64, 151936) if ON_GPU and cfg == "default" else (16, 700)
+    logits = logits_view(gen, B, V, scale=scale, pad=5, bf16_values=bf16_values)
+    args = (logits, *row_settings(gen, B, V))
+    near = near_boundary(logits, args[1], args[3])
+    assert near.sum() <= B // 8, f"seed={gen.initial_seed()}"
+    drawn = sampling.top_k_top_p_sample(*args, cfg=TIGHT if cfg == "tight" else None).cpu()
+    expected = ops.top_k_top_p_sample(*args, backend="torch").cpu()
+    assert drawn.dtype == torch.int64
+    assert torch.equal(drawn[~near], expected[~near]), f"seed={gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("sweep", ["top_k", "top_p"])
+def test_top_k_top_p_kernel_over_every_cut_of_one_row(gen, sweep):
+    """One row (logits and noise) under top_k = 1..B, or top_p spread over (0, 1): kept sets of every
+    size, among them those that end at the candidates' floor G or just below it."""
+    from ops import sampling
+
+    B, V = 48, 400
+    logits = logits_view(gen, 1, V, scale=1.0, bf16_values=True).expand(B, V)
+    temperature = torch.full((B,), 0.8, device=DEVICE)
+    top_k = torch.arange(1, B + 1, device=DEVICE) if sweep == "top_k" else torch.full((B,), V, device=DEVICE)
+    top_p = torch.linspace(0.02, 0.98, B, device=DEVICE) if sweep == "top_p" else torch.ones(B, device=DEVICE)
+    seed = torch.randint(0, 2**32, (1,), generator=gen).to(DEVICE).expand(B)
+    args = (logits, temperature, top_k, top_p, seed, torch.zeros_like(seed))
+    near = near_boundary(logits, temperature, top_p)
+    assert near.sum() <= 2, f"seed={gen.initial_seed()}"
+    drawn, expected = sampling.top_k_top_p_sample(*args).cpu(), ops.top_k_top_p_sample(*args, backend="torch").cpu()
+    assert torch.equal(drawn[~near], expected[~near]), f"seed={gen.initial_seed()}"
+
+
+def test_top_k_top_p_kernel_draws_a_row_alike_alone_and_in_any_batch(gen):
+    from ops import sampling
+
+    B, V = 8, 500
+    logits = logits_view(gen, B, V, scale=1.0, bf16_values=True)
+    settings = row_settings(gen, B, V)
+    together = sampling.top_k_top_p_sample(logits, *settings).tolist()
+    alone = [sampling.top_k_top_p_sample(logits[i:i + 1], *(t[i:i + 1] for t in settings)).item() for i in range(B)]
+    flipped = sampling.top_k_top_p_sample(logits.flip(0), *(t.flip(0) for t in settings)).flip(0).tolist()
+    assert together == alone == flipped, f"seed={gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("block", [1, 8])
+def test_noise_pass_chains_hold_their_invariants(gen, block):
+    """Per (row, split) of the chained noise pass: c1 is the best score of the split, c2 (when
+    known) the best above l_c1, and tb bounds every score above the last known logit (to within
+    float32 rounding: the interpreter's log is numpy's). One lane of 32 tokens (the lanes' own chains), or 8
+    lanes of 4 merged; ties of bf16 values occur."""
+    from ops import sampling
+
+    B, V, splits = 12, 128, 4
+    _, temperature, seed, step = sampling_inputs(gen, B, V)
+    logits = logits_view(gen, B, V, scale=0.2, bf16_values=True)  # flat: score order far from logit order
+    chain_f = torch.empty((B, splits, 5), device=DEVICE)
+    chain_i = torch.empty((B, splits, 2), dtype=torch.int32, device=DEVICE)
+    chunk = -(-V // splits // block) * block
+    sampling._gumbel_kernel[(B, splits)](
+        logits, temperature, seed, step, torch.ones(B, dtype=torch.int32, device=DEVICE), seed, chain_f, chain_i,
+        V, chunk, *logits.stride(), NUM_SPLITS=splits, BLOCK_V=block, CHAIN=True, CUDA_MATH=ON_GPU)
+    scores = reference.gumbel_scores(logits, temperature, seed, step, torch.arange(V, device=DEVICE)[None, :])
+    msg = f"seed={gen.initial_seed()}"
+    for b in range(B):
+        for s in range(splits):
+            l, sc = logits[b, s * chunk:(s + 1) * chunk].cpu(), scores[b, s * chunk:(s + 1) * chunk].cpu()
+            s1, l1, s2, l2, tb = chain_f[b, s].tolist()
+            i1, i2 = (chain_i[b, s] - s * chunk).tolist()
+            assert (i1, l1) == (sc.argmax().item(), l[i1].item()), msg
+            last = l1
+            if s2 > -INF:
+                above = torch.where(l > l1, sc, -INF)
+                assert l2 > l1 and (i2, l2) == (above.argmax().item(), l[i2].item()), msg
+                last = l2
+            above_last = torch.where(l > last, sc, -INF).max().item()
+            assert tb >= above_last - 1e-5, msg
+
+
+# --- gumbel_sample -------------------------------------------------------------------------
+def sampling_inputs(gen, B, V, pad=0):
+    temperature = (torch.rand(B, generator=gen) * 1.7 + 0.3).to(DEVICE)
+    seed = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    step = torch.randint(0, 2**20, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    return logits_view(gen, B, V, pad=pad), temperature, seed, step
+
+
+def test_uniform_noise_is_bit_exact(gen):
+    from ops import sampling
+
+    B, V = 9, 1500
+    seed = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    step = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
+    ids = torch.randint(0, 2**31 - 1, (B, V), generator=gen, dtype=torch.int64)
+    ids[0, :3] = torch.tensor([0, 1, 2**31 - 1])
+    ids = ids.to(DEVICE)
+    expected = reference.uniform_noise(seed, step, ids)
+    assert torch.equal(sampling.uniform_noise(seed, step, ids), expected), f"seed={gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gumbel_sample_of_zero_logits_is_the_noise_argmax(gen, backend):
+    B, V = 6, 5003
+    _, _, seed, step = sampling_inputs(gen, B, V)
+    logits = torch.zeros(B, V, device=DEVICE)
+    u = reference.uniform_noise(seed, step, torch.arange(V, device=DEVICE)[None, :])
+    # -log(-log u) is increasing in u, and distinct 24-bit u near the top give distinct scores
+    drawn = ops.gumbel_sample(logits, torch.ones(B, device=DEVICE), seed, step, backend=backend)
+    assert drawn.dtype == torch.int64
+    assert drawn.tolist() == u.argmax(-1).tolist(), f"seed={gen.initial_seed()}"
+
+
+def oracle_gumbel_scores(logits, temperature, seed, step):
+    u = reference.uniform_noise(seed, step, torch.arange(logits.shape[1], device=logits.device)[None, :])
+    return logits.double() / temperature.double()[:, None] - torch.log(-torch.log(u.double()))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("B,V", [(1, 3001), (5, 7000), (11, 600)])
+def test_gumbel_sample_matches_float64(gen, num_splits, B, V):
+    from ops import sampling
+
+    logits, temperature, seed, step = sampling_inputs(gen, B, V, pad=17)
+    # make ties impossible: lift each row's float64 winner 0.05 above the runner-up at least
+    winner = oracle_gumbel_scores(logits, temperature, seed, step).argmax(-1)
+    rows = torch.arange(B, device=DEVICE)
+    logits[rows, winner] += 0.05 * temperature
+    scores = oracle_gumbel_scores(logits, temperature, seed, step)
+    top2 = scores.topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1] >= 0.049).all() and torch.equal(scores.argmax(-1), winner)
+    msg = f"seed={gen.initial_seed()}"
+    assert sampling.gumbel_sample(logits, temperature, seed, step, num_splits).tolist() == winner.tolist(), msg
+    assert ops.gumbel_sample(logits, temperature, seed, step, backend="torch").tolist() == winner.tolist(), msg
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gumbel_sample_at_temperature_zero_is_the_argmax(gen, backend):
+    B, V = 6, 3001
+    logits, temperature, seed, step = sampling_inputs(gen, B, V)
+    noisy = ops.gumbel_sample(logits, temperature, seed, step, backend=backend)
+    greedy = torch.arange(B, device=DEVICE) % 2 == 0
+    drawn = ops.gumbel_sample(logits, temperature.masked_fill(greedy, 0.0), seed, step, backend=backend)
+    assert drawn.tolist() == torch.where(greedy, logits.argmax(-1), noisy).tolist(), f"seed={gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gumbel_sample_reads_bfloat16_logits_as_their_float32_values(gen, backend):
+    B, V = 5, 2500
+    logits, temperature, seed, step = sampling_inputs(gen, B, V)
+    low = logits.to(torch.bfloat16)
+    drawn = ops.gumbel_sample(low, temperature, seed, step, backend=backend)
+    assert drawn.tolist() == ops.gumbel_sample(low.float(), temperature, seed, step, backend=backend).tolist()
+
+
+def test_samplers_give_zero_for_all_minus_inf_rows():
+    """As torch.argmax: every score ties at -inf, the first index wins (in every vocabulary range)."""
+    from ops import sampling
+
+    B, V = 3, 2500
+    logits = torch.full((B, V), -INF, device=DEVICE)
+    temperature, top_k = torch.ones(B, device=DEVICE), torch.full((B,), 5, device=DEVICE)
+    top_p, zeros = torch.full((B,), 0.5, device=DEVICE), torch.zeros(B, dtype=torch.int64, device=DEVICE)
+    for num_splits in (1, 3):
+        assert sampling.gumbel_sample(logits, temperature, zeros, zeros, num_splits).tolist() == [0] * B
+    for backend in BACKENDS:
+        drawn = ops.top_k_top_p_sample(logits, temperature, top_k, top_p, zeros, zeros, backend=backend)
+        assert drawn.tolist() == [0] * B
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_no_host_synchronisation(gen):
+    B, V = 8, 32000
+    logits = logits_view(gen, B, V, bf16_values=True)
+    temperature, top_k, top_p, seed, step = row_settings(gen, B, V)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.gumbel_sample(logits, temperature, seed, step)
+        ops.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,580 @@
+"""Triton sampling kernels (contracts and PyTorch references: ops/sampling_reference.py).
+
+    gumbel_sample(logits[B,V], temperature[B] f32, seed[B] i64, step[B] i64, num_splits=None) -> i64 [B]
+    top_k_top_p_sample(logits[B,V], temperature[B] f32, top_k[B] i64, top_p[B] f32, seed[B], step[B])
+        -> i64 [B]
+    uniform_noise(seed[B], step[B], token_ids[B,V]) -> f32 [B,V]   (the noise, for tests)
+
+Logits of any float dtype are widened to float32 as they are read. The noise is computed in the
+kernels (uint32 arithmetic, bit-identical to sampling_reference.uniform_noise for seed and step in
+[0, 2^32)); on CUDA the scores use IEEE division and libdevice's logf, as torch's CUDA kernels do,
+so that ties resolve alike. Nothing sorts the vocabulary, nothing synchronises with the host, grids
+come from shapes only and no argument depends on the batch size (no recompiles as it changes).
+
+gumbel_sample: programs per (row, vocabulary range) loop over vocabulary tiles keeping a per-lane
+best score (first index on ties); a row at temperature 0 takes the plain argmax. With one range per
+row the program writes the token id; otherwise each range writes (max, argmax) and a second kernel
+reduces the ranges of a row.
+
+top_k_top_p_sample: the best score over the kept set K, exactly, in rounds. K is an upper set of
+logit values, so if w is the best score over an upper set S that contains K, either w is in K (then
+it is the answer) or no token with a logit <= l_w is in K (then S = {l > l_w}, and again). A row
+costs one light pass over its logits when K lies among its top few hundred logits (any top_k up to
+~200, and top-p when those hold the mass), and otherwise one noise pass plus about one count pass.
+Four launches:
+ 1. _stats_kernel, programs per (row, split): the row's max logit, the normaliser Z (online, per
+    lane) and the candidates R: each lane keeps its two largest logits, G is the largest logit a
+    lane did not keep, and the kept ones above G are stored (every token above G is in R; ~450 of
+    them at V = 151,936). A split whose candidates overflow CAP raises its G above the lost ones.
+ 2. _decide_kernel, per row: temperature 0 takes the argmax. If a token at G (the lost logit) is
+    not kept, neither is any token below it, so K lies in R: the rounds run on R in registers
+    (noise for R only) and the row is done. Otherwise the row is marked.
+ 3. _gumbel_kernel with CHAIN, programs per (row, split) of marked rows: the noise pass, keeping
+    per lane a chain: the best score c1, the best score c2 among the lane's logits above l_c1, and
+    a bound on the scores above the last; reduced per split the same way.
+ 4. _finish_kernel, per marked row: the rounds from the best score. A candidate above G is settled
+    on R in registers; below G, a count pass over the row tests it, and the next candidate comes
+    from the chains when they determine it, else from a noise pass over the row (rare).
+The test of a candidate is one function (_kept); issue 8's min_p would add `e_w >= min_p` there.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ops import sampling_reference
+
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - only the interpreter path is usable then
+    libdevice = None
+
+_INT32_MAX = tl.constexpr(2**31 - 1)
+_LOG2E = tl.constexpr(sampling_reference.LOG2E)
+# tiles per iteration of the memory-bound loops (statistics, counts): their loads are issued together,
+# since one program per row (or per split at small batches) is bound by the latency of its loads
+_UNROLL = tl.constexpr(4)
+
+
+# --------------------------------------------------------------------------------------------
+# noise and scores
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _mix32(x):
+    """sampling_reference.mix32 on uint32 values: the same bits as its int64 arithmetic (which keeps
+    the low 32 bits of each product)."""
+    x = (x ^ (x >> 16)) * 0x45D9F3B
+    x = (x ^ (x >> 16)) * 0x45D9F3B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_key(seed_ptr, step_ptr, b):
+    seed = tl.load(seed_ptr + b).to(tl.uint32)
+    step = tl.load(step_ptr + b).to(tl.uint32)
+    return _mix32(_mix32(seed) ^ step)
+
+
+@triton.jit
+def _uniform(key, v):
+    """uniform_noise for token ids v (int32 >= 0) of a row whose key is _row_key."""
+    bits = _mix32(key ^ v.to(tl.uint32)) >> 8  # 24 bits: exact in float32
+    return (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, step_ptr, ids_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
+    """Test helper: out[b, v] = uniform_noise(seed[b], step[b], ids[b, v]) (contiguous [B, V])."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < V
+    v = tl.load(ids_ptr + b * V + offs, mask=mask, other=0)
+    u = _uniform(_row_key(seed_ptr, step_ptr, b), v.to(tl.int32))
+    tl.store(out_ptr + b * V + offs, u, mask=mask)
+
+
+@triton.jit
+def _scores(x, v, key, temp, CUDA_MATH: tl.constexpr):
+    """x / temp + the Gumbel noise of token ids v (float32, as sampling_reference.gumbel_scores)."""
+    scaled = tl.math.div_rn(x, temp + tl.zeros_like(x))  # IEEE division, as torch
+    u = _uniform(key, v)
+    if CUDA_MATH:
+        noise = libdevice.log(-libdevice.log(u))
+    else:
+        noise = tl.log(-tl.log(u))
+    return scaled - noise
+
+
+@triton.jit
+def _best(score, logit, ids):
+    """The best entry of vectors (score, logit, id): the highest score, the smallest id among equal
+    scores. Returns its (score, logit, id); score -inf when every entry is -inf."""
+    s = tl.max(score, 0)
+    i = tl.min(tl.where(score == s, ids, _INT32_MAX), 0)
+    return s, tl.max(tl.where(ids == i, logit, float("-inf")), 0), i
+
+
+# --------------------------------------------------------------------------------------------
+# the Gumbel pass: plain (gumbel_sample) or keeping chains (top_k_top_p_sample)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _scan(row, s_lv, start, end, floor, key, temp,
+          BLOCK: tl.constexpr, FLOOR: tl.constexpr, CHAIN: tl.constexpr, CUDA_MATH: tl.constexpr):
+    """A BLOCK-lane sweep of tokens [start, end) (with FLOOR: those whose logit is above floor).
+    Per lane: c1 = (s1, l1, i1), its best (score, logit, id); with CHAIN also c2 = (s2, l2, i2),
+    its best among the logits above l1 (s2 = l2 = -inf: unknown or none), and tb, a bound on every
+    score above the last of them. Tokens arrive in id order, so a new token beats a kept one only by
+    a higher score. -inf logits score -inf, NaN ones compare false: neither is ever kept."""
+    offs = tl.arange(0, BLOCK)
+    greedy = temp == 0.0
+    temp_safe = tl.where(greedy, 1.0, temp)
+    s1 = tl.full([BLOCK], float("-inf"), tl.float32)
+    l1, s2, l2, tb = s1, s1, s1, s1
+    i1 = tl.zeros([BLOCK], dtype=tl.int32)
+    i2 = i1
+    for v0 in range(start, end, BLOCK):
+        v = v0 + offs
+        x = tl.load(row + v * s_lv, mask=v < end, other=float("-inf")).to(tl.float32)
+        if FLOOR:
+            x = tl.where(x > floor, x, float("-inf"))
+        score = tl.where(greedy, x, _scores(x, v, key, temp_safe, CUDA_MATH))
+        new1 = score > s1
+        if CHAIN:
+            t2 = tl.where(s2 > float("-inf"), s2, tb)  # a bound on the best score above l1
+            above1 = (~new1) & (x > l1)
+            new2 = above1 & (score > t2)
+            c1_to_c2 = new1 & (l1 > x)
+            c2_lost = new1 & (l1 <= x) & (l2 <= x)
+            tb = tl.where(new1, tl.where(l1 > x, t2, tb),
+                          tl.where(new2, tl.where(l2 > x, s2, tb),
+                                   tl.where(above1 & (x > l2), tl.maximum(tb, score), tb)))
+            s2 = tl.where(c1_to_c2, s1, tl.where(c2_lost, float("-inf"), tl.where(new2, score, s2)))
+            l2 = tl.where(c1_to_c2, l1, tl.where(c2_lost, float("-inf"), tl.where(new2, x, l2)))
+            i2 = tl.where(c1_to_c2, i1, tl.where(new2, v, i2))
+        s1 = tl.where(new1, score, s1)
+        l1 = tl.where(new1, x, l1)
+        i1 = tl.where(new1, v, i1)
+    return s1, l1, i1, s2, l2, i2, tb
+
+
+@triton.jit
+def _chain_query(s1, l1, i1, s2, l2, i2, tb, theta):
+    """Over chains (per lane or per split): the best (score, logit, id) among logits above theta
+    that the chains determine, and a bound on the scores above theta that they do not; the result
+    is the best over {l > theta} when its score is above the bound or the bound is -inf."""
+    first = l1 > theta
+    second = (~first) & (s2 > float("-inf")) & (l2 > theta)
+    s, l, i = _best(tl.where(first, s1, tl.where(second, s2, float("-inf"))),
+                    tl.where(first, l1, l2), tl.where(first, i1, i2))
+    return s, l, i, tl.max(tl.where(first | second, float("-inf"), tb), 0)
+
+
+@triton.jit
+def _gumbel_kernel(
+    logits_ptr, temp_ptr, seed_ptr, step_ptr, flag_ptr, out_ptr, part_f_ptr, part_i_ptr,
+    V, chunk, s_lb, s_lv,
+    NUM_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr, CHAIN: tl.constexpr, CUDA_MATH: tl.constexpr,
+):
+    """Plain: (max, argmax) per (row, range), or the token when NUM_SPLITS == 1. CHAIN: only rows
+    whose flag is set; per (row, range) its chain c1, c2, tb (part_f: s1 l1 s2 l2 tb, part_i: i1 i2)."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    if CHAIN:
+        run = tl.load(flag_ptr + b) != 0
+    else:
+        run = split >= 0
+    if run:
+        start = split * chunk
+        s1, l1, i1, s2, l2, i2, tb = _scan(
+            logits_ptr + b * s_lb, s_lv, start, tl.minimum(start + chunk, V), 0.0,
+            _row_key(seed_ptr, step_ptr, b), tl.load(temp_ptr + b), BLOCK_V, False, CHAIN, CUDA_MATH)
+        part = b * NUM_SPLITS + split
+        if CHAIN:
+            c1_s, c1_l, c1_i = _best(s1, l1, i1)
+            c2_s, c2_l, c2_i, c2_bound = _chain_query(s1, l1, i1, s2, l2, i2, tb, c1_l)
+            known = (c2_s > c2_bound) & (c2_s > float("-inf"))
+            c3_s, _, _, c3_bound = _chain_query(s1, l1, i1, s2, l2, i2, tb, c2_l)
+            tl.store(part_f_ptr + part * 5, c1_s)
+            tl.store(part_f_ptr + part * 5 + 1, c1_l)
+            tl.store(part_f_ptr + part * 5 + 2, tl.where(known, c2_s, float("-inf")))
+            tl.store(part_f_ptr + part * 5 + 3, tl.where(known, c2_l, float("-inf")))
+            tl.store(part_f_ptr + part * 5 + 4, tl.where(known, tl.maximum(c3_s, c3_bound),
+                                                         tl.maximum(c2_s, c2_bound)))
+            tl.store(part_i_ptr + part * 2, c1_i)
+            tl.store(part_i_ptr + part * 2 + 1, c2_i)
+        else:
+            m = tl.max(s1, 0)
+            idx = tl.min(tl.where(s1 == m, i1, V), 0)  # first index among the lanes' maxima
+            if NUM_SPLITS == 1:
+                tl.store(out_ptr + b, idx.to(tl.int64))
+            else:
+                tl.store(part_f_ptr + part, m)
+                tl.store(part_i_ptr + part, idx)
+
+
+@triton.jit
+def _gumbel_reduce_kernel(part_max_ptr, part_idx_ptr, out_ptr, V,
+                          NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_S)
+    mask = offs < NUM_SPLITS
+    m = tl.load(part_max_ptr + b * NUM_SPLITS + offs, mask=mask, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + b * NUM_SPLITS + offs, mask=mask, other=V)
+    best = tl.max(m, 0)
+    # ranges are ordered by token id, so the smallest index among the maxima is the first one
+    tl.store(out_ptr + b, tl.min(tl.where(m == best, idx, V), 0).to(tl.int64))
+
+
+# --------------------------------------------------------------------------------------------
+# top_k_top_p_sample: statistics and candidates, the rounds, decide, finish
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _stats_kernel(
+    logits_ptr, temp_ptr, stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr,
+    V, s_lb, s_lv,
+    NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr,
+):
+    """Per (row, split), over tiles split, split + NUM_SPLITS, ... (a spread of the vocabulary):
+    stats_f = (max logit m, sum of exp2((l - m) * c), G), stats_i = (first argmax, candidates
+    stored); cand_l / cand_i: the stored candidates (logit, id), every token of the split above G."""
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    temp = tl.load(temp_ptr + b)
+    c = _LOG2E / tl.where(temp > 0.0, temp, 1.0)
+    row = logits_ptr + b * s_lb
+    offs = tl.arange(0, BLOCK)
+    v1 = tl.full([BLOCK], float("-inf"), tl.float32)
+    v2, v3 = v1, v1  # per lane: the two largest logits (ids i1, i2) and the third
+    z = tl.zeros([BLOCK], dtype=tl.float32)  # per lane: sum of exp2((l - v1) * c)
+    i1 = tl.zeros([BLOCK], dtype=tl.int32)
+    i2 = i1
+    for t0 in range(split, tl.cdiv(V, BLOCK), NUM_SPLITS * _UNROLL):
+        for u in tl.static_range(_UNROLL):
+            v = (t0 + u * NUM_SPLITS) * BLOCK + offs
+            x = tl.load(row + v * s_lv, mask=v < V, other=float("-inf")).to(tl.float32)
+            gt1 = x > v1
+            gt2 = x > v2
+            # one exp2: rescale to a new lane max, or add below it (0 for -inf logits)
+            high = tl.maximum(x, v1)
+            e = tl.exp2((tl.minimum(x, v1) - tl.where(high > float("-inf"), high, 0.0)) * c)
+            z = tl.where(gt1, z * e + 1.0, z + e)
+            v3 = tl.where(gt2, v2, tl.where(x > v3, x, v3))
+            v2 = tl.where(gt1, v1, tl.where(gt2, x, v2))
+            i2 = tl.where(gt1, i1, tl.where(gt2, v, i2))
+            v1 = tl.where(gt1, x, v1)
+            i1 = tl.where(gt1, v, i1)
+    m = tl.max(v1, 0)
+    part = b * NUM_SPLITS + split
+    tl.store(stats_f_ptr + part * 3, m)
+    # lanes without a finite logit hold z = 0; a finite reference keeps -inf - -inf out
+    tl.store(stats_f_ptr + part * 3 + 1, tl.sum(z * tl.exp2((v1 - tl.where(m > float("-inf"), m, 0.0)) * c), 0))
+    tl.store(stats_i_ptr + part * 2, tl.min(tl.where(v1 == m, i1, V), 0))
+    # compaction: the lanes' first logits above G, then their second ones, up to CAP
+    g = tl.max(v3, 0)
+    keep1 = v1 > g
+    keep2 = v2 > g
+    n1 = tl.sum(keep1.to(tl.int32), 0)
+    pos1 = tl.cumsum(keep1.to(tl.int32), 0) - 1
+    pos2 = n1 + tl.cumsum(keep2.to(tl.int32), 0) - 1
+    store1 = keep1 & (pos1 < CAP)
+    store2 = keep2 & (pos2 < CAP)
+    tl.store(cand_l_ptr + part * CAP + pos1, v1, mask=store1)
+    tl.store(cand_i_ptr + part * CAP + pos1, i1, mask=store1)
+    tl.store(cand_l_ptr + part * CAP + pos2, v2, mask=store2)
+    tl.store(cand_i_ptr + part * CAP + pos2, i2, mask=store2)
+    lost = tl.maximum(tl.max(tl.where(keep1 & ~store1, v1, float("-inf")), 0),
+                      tl.max(tl.where(keep2 & ~store2, v2, float("-inf")), 0))
+    tl.store(stats_f_ptr + part * 3 + 2, tl.maximum(g, lost))
+    tl.store(stats_i_ptr + part * 2 + 1, tl.minimum(n1 + tl.sum(keep2.to(tl.int32), 0), CAP))
+
+
+@triton.jit
+def _row_stats(stats_f_ptr, stats_i_ptr, b, c, V, NUM_SPLITS: tl.constexpr):
+    """(max logit M, Z = sum of exp2((l - M) * c), G, the first argmax) of row b."""
+    part = b * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(stats_f_ptr + part * 3)
+    z = tl.load(stats_f_ptr + part * 3 + 1)
+    top = tl.max(m, 0)
+    z = tl.sum(z * tl.exp2((m - tl.where(top > float("-inf"), top, 0.0)) * c), 0)  # as in _stats_kernel
+    first = tl.min(tl.where(m == top, tl.load(stats_i_ptr + part * 2), V), 0)
+    return top, z, tl.max(tl.load(stats_f_ptr + part * 3 + 2), 0), first
+
+
+@triton.jit
+def _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c, key, temp, theta,
+                       NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, CUDA_MATH: tl.constexpr):
+    """The stored candidates of row b as vectors: logit (empty slots -inf), id, weight
+    exp2((l - top) * c), and score (-inf at or below theta)."""
+    r = tl.arange(0, NUM_SPLITS * CAP)
+    stored = r % CAP < tl.load(stats_i_ptr + (b * NUM_SPLITS + r // CAP) * 2 + 1)
+    vals = tl.load(cand_l_ptr + b * NUM_SPLITS * CAP + r, mask=stored, other=float("-inf"))
+    ids = tl.load(cand_i_ptr + b * NUM_SPLITS * CAP + r, mask=stored, other=0)
+    scores = tl.where(vals > theta, _scores(vals, ids, key, temp, CUDA_MATH), float("-inf"))
+    return vals, ids, tl.exp2((vals - top) * c), scores
+
+
+@triton.jit
+def _kept(count, mass, k, p, z):
+    """Whether a token with `count` logits and `mass` of exp2 weight strictly above its own is in K."""
+    return (count == 0) | ((count < k) & ((p >= 1.0) | (mass <= p * z)))
+
+
+@triton.jit
+def _rounds(vals, ids, e, scores, l_w, i_w, k, p, z):
+    """The rounds on candidate vectors (logit, id, weight, score) that hold every token above l_w,
+    from w, the best score over an upper set that contains K. Returns the id of the best in K."""
+    done = False
+    while not done:
+        above = vals > l_w
+        if _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), k, p, z):
+            done = True
+        else:
+            _, l_w, i_w = _best(tl.where(above, scores, float("-inf")), vals, ids)
+    return i_w
+
+
+@triton.jit
+def _decide_kernel(
+    stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, temp_ptr, k_ptr, p_ptr, seed_ptr, step_ptr,
+    out_ptr, flag_ptr, V,
+    NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, CUDA_MATH: tl.constexpr,
+):
+    """Per row: out = the token when the statistics settle it (greedy rows, all -inf rows, K inside
+    the candidates), with flag 0; else flag 1 (the noise pass and _finish_kernel draw it)."""
+    b = tl.program_id(0).to(tl.int64)
+    temp = tl.load(temp_ptr + b)
+    k = tl.load(k_ptr + b)
+    p = tl.load(p_ptr + b)
+    c = _LOG2E / tl.where(temp > 0.0, temp, 1.0)
+    top, z, g, token = _row_stats(stats_f_ptr, stats_i_ptr, b, c, V, NUM_SPLITS)
+    flag = (temp > 0.0) & (top > float("-inf"))
+    if flag & ((k < V) | (p < 1.0)):
+        vals, ids, e, scores = _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c,
+                                                  _row_key(seed_ptr, step_ptr, b), temp, g,
+                                                  NUM_SPLITS, CAP, CUDA_MATH)
+        above = vals > g
+        if not _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), k, p, z):
+            # a token at G is not kept, nor any below it: K lies among the candidates above G
+            _, l_w, i_w = _best(scores, vals, ids)
+            token = _rounds(vals, ids, e, scores, l_w, i_w, k, p, z)
+            flag = False
+    tl.store(out_ptr + b, token.to(tl.int64))
+    tl.store(flag_ptr + b, flag.to(tl.int32))
+
+
+@triton.jit
+def _count_above(row, s_lv, V, theta, top, c, BLOCK: tl.constexpr):
+    """(count, mass) of the logits of a row above theta."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    mass = tl.zeros([BLOCK], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK * _UNROLL):
+        for u in tl.static_range(_UNROLL):
+            v = v0 + u * BLOCK + offs
+            x = tl.load(row + v * s_lv, mask=v < V, other=float("-inf")).to(tl.float32)
+            above = x > theta
+            count += above.to(tl.int32)
+            mass += tl.where(above, tl.exp2((x - top) * c), 0.0)
+    return tl.sum(count, 0), tl.sum(mass, 0)
+
+
+@triton.jit
+def _best_above(row, s_lv, V, theta, key, temp, BLOCK: tl.constexpr, CUDA_MATH: tl.constexpr):
+    """The best (score, logit, id) of a row over its logits above theta: a noise pass."""
+    s1, l1, i1, _, _, _, _ = _scan(row, s_lv, 0, V, theta, key, temp, BLOCK, True, False, CUDA_MATH)
+    return _best(s1, l1, i1)
+
+
+@triton.jit
+def _finish_kernel(
+    logits_ptr, temp_ptr, k_ptr, p_ptr, seed_ptr, step_ptr, flag_ptr,
+    stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, chain_f_ptr, chain_i_ptr, out_ptr,
+    V, s_lb, s_lv,
+    NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, CHAIN_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
+    CUDA_MATH: tl.constexpr,
+):
+    """Per row marked by _decide_kernel: the rounds from the best score (module docstring, step 4)."""
+    b = tl.program_id(0).to(tl.int64)
+    if tl.load(flag_ptr + b) != 0:
+        temp = tl.load(temp_ptr + b)
+        k = tl.load(k_ptr + b)
+        p = tl.load(p_ptr + b)
+        c = _LOG2E / temp
+        key = _row_key(seed_ptr, step_ptr, b)
+        row = logits_ptr + b * s_lb
+        top, z, g, _ = _row_stats(stats_f_ptr, stats_i_ptr, b, c, V, NUM_SPLITS)
+        part = b * CHAIN_SPLITS + tl.arange(0, CHAIN_SPLITS)
+        s1 = tl.load(chain_f_ptr + part * 5)
+        l1 = tl.load(chain_f_ptr + part * 5 + 1)
+        s2 = tl.load(chain_f_ptr + part * 5 + 2)
+        l2 = tl.load(chain_f_ptr + part * 5 + 3)
+        tb = tl.load(chain_f_ptr + part * 5 + 4)
+        i1 = tl.load(chain_i_ptr + part * 2)
+        i2 = tl.load(chain_i_ptr + part * 2 + 1)
+        _, l_w, i_w, _ = _chain_query(s1, l1, i1, s2, l2, i2, tb, float("-inf"))
+        done = (k >= V) & (p >= 1.0)  # nothing to cut: the best score overall
+        while not done:
+            if l_w > g:  # every token above l_w is a candidate
+                vals, ids, e, scores = _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c,
+                                                          key, temp, g, NUM_SPLITS, CAP, CUDA_MATH)
+                i_w = _rounds(vals, ids, e, scores, l_w, i_w, k, p, z)
+                done = True
+            else:
+                count, mass = _count_above(row, s_lv, V, l_w, top, c, BLOCK_V)
+                if _kept(count, mass, k, p, z):
+                    done = True
+                else:  # count >= 1: the next candidate exists
+                    s, l, i, bound = _chain_query(s1, l1, i1, s2, l2, i2, tb, l_w)
+                    if (s <= bound) & (bound > float("-inf")):  # the chains do not tell: scan
+                        s, l, i = _best_above(row, s_lv, V, l_w, key, temp, BLOCK_V, CUDA_MATH)
+                    l_w, i_w = l, i
+        tl.store(out_ptr + b, i_w.to(tl.int64))
+
+
+# Tunables. Keys: "gpu" / "interp". Split counts are constants, not functions of the batch size:
+# they are compile-time constants of the kernels, and a count that followed the batch recompiled them
+# whenever the batch shrank past a threshold (seconds each, inside the timed run). In top_k_top_p,
+# every per-row result depends on the config only, never on the batch: sums run in a fixed order.
+GUMBEL_CFG = {
+    "gpu": dict(BLOCK_V=2048, num_warps=8, num_splits=16),
+    "interp": dict(BLOCK_V=1024, num_warps=4, num_splits=2),
+}
+TOP_K_TOP_P_CFG = {
+    # stats: NUM_SPLITS x BLOCK lanes keeping 2 logits each, CAP candidates per split. Simulated at
+    # V = 151,936 (logits in random order): tokens above G median ~450, 10th percentile ~280; 0.2
+    # splits per row overflow CAP = 128 (and raise their G). More lanes need a larger CAP.
+    "gpu": dict(stats=dict(num_splits=16, block=256, cap=128, num_warps=2),
+                chain=dict(num_splits=16, block=2048, num_warps=8),
+                finish=dict(block=2048, num_warps=8)),
+    "interp": dict(stats=dict(num_splits=4, block=32, cap=32, num_warps=1),
+                   chain=dict(num_splits=2, block=128, num_warps=1),
+                   finish=dict(block=256, num_warps=1)),
+}
+
+
+def _gumbel_sample_impl(logits, temperature, seed, step, num_splits=None):
+    B, V = logits.shape
+    temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B == 0:
+        return out
+    cfg = GUMBEL_CFG["gpu" if logits.is_cuda else "interp"]
+    block_v = min(cfg["BLOCK_V"], triton.next_power_of_2(V))
+    num_splits = max(1, min(int(num_splits or cfg["num_splits"]), triton.cdiv(V, block_v)))
+    chunk = triton.cdiv(triton.cdiv(V, num_splits), block_v) * block_v
+    if num_splits > 1:
+        part_max = torch.empty((B, num_splits), dtype=torch.float32, device=logits.device)
+        part_idx = torch.empty((B, num_splits), dtype=torch.int32, device=logits.device)
+    else:
+        part_max, part_idx = out, out  # unused
+    _gumbel_kernel[(B, num_splits)](
+        logits, temperature, seed, step, out, out, part_max, part_idx,
+        V, chunk, *logits.stride(),
+        NUM_SPLITS=num_splits, BLOCK_V=block_v, CHAIN=False, CUDA_MATH=_cuda_math(logits),
+        num_warps=cfg["num_warps"],
+    )
+    if num_splits > 1:
+        _gumbel_reduce_kernel[(B,)](
+            part_max, part_idx, out, V,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=1,
+        )
+    return out
+
+
+def _cuda_math(logits):
+    return logits.is_cuda and libdevice is not None
+
+
+def _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, cfg=None):
+    """cfg: TOP_K_TOP_P_CFG's layout (tests, benchmarks); None picks it for the device."""
+    B, V = logits.shape
+    dev = logits.device
+    temperature, top_k, top_p = temperature.contiguous(), top_k.contiguous(), top_p.contiguous()
+    seed, step = seed.contiguous(), step.contiguous()
+    out = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0:
+        return out
+    cfg = cfg or TOP_K_TOP_P_CFG["gpu" if logits.is_cuda else "interp"]
+    st, ch, fin = cfg["stats"], cfg["chain"], cfg["finish"]
+    splits, cap, chain_splits = st["num_splits"], st["cap"], ch["num_splits"]
+    # one float32 and one int32 workspace (two allocations, not seven): contiguous pieces
+    f_sizes, i_sizes = (splits * 3, splits * cap, chain_splits * 5), (splits * 2, splits * cap, chain_splits * 2, 1)
+    stats_f, cand_l, chain_f = torch.empty(B * sum(f_sizes), dtype=torch.float32, device=dev).split(
+        [B * n for n in f_sizes])
+    stats_i, cand_i, chain_i, flags = torch.empty(B * sum(i_sizes), dtype=torch.int32, device=dev).split(
+        [B * n for n in i_sizes])
+    cuda_math = _cuda_math(logits)
+    _stats_kernel[(B, splits)](
+        logits, temperature, stats_f, stats_i, cand_l, cand_i, V, *logits.stride(),
+        NUM_SPLITS=splits, BLOCK=st["block"], CAP=cap, num_warps=st["num_warps"])
+    _decide_kernel[(B,)](
+        stats_f, stats_i, cand_l, cand_i, temperature, top_k, top_p, seed, step, out, flags, V,
+        NUM_SPLITS=splits, CAP=cap, CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
+    chunk = triton.cdiv(triton.cdiv(V, chain_splits), ch["block"]) * ch["block"]
+    _gumbel_kernel[(B, chain_splits)](
+        logits, temperature, seed, step, flags, out, chain_f, chain_i, V, chunk, *logits.stride(),
+        NUM_SPLITS=chain_splits, BLOCK_V=ch["block"], CHAIN=True, CUDA_MATH=cuda_math,
+        num_warps=ch["num_warps"])
+    _finish_kernel[(B,)](
+        logits, temperature, top_k, top_p, seed, step, flags, stats_f, stats_i, cand_l, cand_i,
+        chain_f, chain_i, out, V, *logits.stride(),
+        NUM_SPLITS=splits, CAP=cap, CHAIN_SPLITS=chain_splits, BLOCK_V=fin["block"],
+        CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
+    return out
+
+
+def uniform_noise(seed, step, token_ids):
+    """The sampler's uniform noise [B, V] computed by the kernels' hash (for tests)."""
+    B, V = token_ids.shape
+    ids = token_ids.to(torch.int32).contiguous()
+    out = torch.empty((B, V), dtype=torch.float32, device=token_ids.device)
+    if B and V:
+        block = min(1024, triton.next_power_of_2(V))
+        _uniform_kernel[(B, triton.cdiv(V, block))](seed, step, ids, out, V, BLOCK_V=block)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# registration as torch.library custom ops (opaque to torch.compile), public functions
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("minipaged::gumbel_sample", mutates_args=())
+def _gumbel_sample_op(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+                      step: torch.Tensor, num_splits: Optional[int] = None) -> torch.Tensor:
+    return _gumbel_sample_impl(logits, temperature, seed, step, num_splits)
+
+
+@_gumbel_sample_op.register_fake
+def _(logits, temperature, seed, step, num_splits=None):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+@torch.library.custom_op("minipaged::top_k_top_p_sample", mutates_args=())
+def _top_k_top_p_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                     top_p: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step)
+
+
+@_top_k_top_p_op.register_fake
+def _(logits, temperature, top_k, top_p, seed, step):
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+# Outside torch.compile tracing the public functions call their implementations directly (the
+# custom-op dispatcher costs ~15 us of CPU per call).
+_compiling = torch.compiler.is_compiling
+
+
+def gumbel_sample(logits, temperature, seed, step, num_splits: Optional[int] = None):
+    """num_splits: force the number of vocabulary ranges per row (tests, benchmarks); None picks
+    it from shapes."""
+    if _compiling():
+        return torch.ops.minipaged.gumbel_sample(logits, temperature, seed, step, num_splits)
+    return _gumbel_sample_impl(logits, temperature, seed, step, num_splits)
+
+
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, cfg=None):
+    """cfg: override TOP_K_TOP_P_CFG (tests, benchmarks)."""
+    if _compiling():
+        return torch.ops.minipaged.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)
+    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, cfg)

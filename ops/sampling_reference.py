@@ -1,0 +1,88 @@
+"""Readable PyTorch versions of the sampling kernels (Triton versions: ops/sampling.py).
+
+Sampling is Gumbel-max with counter-based noise: the scores of a row are, in float32,
+
+    score_v = logits_v / T - log(-log(U(seed, step, v)))        (gumbel_scores; U: uniform_noise)
+
+and a draw is the token of the best score (the first index among equal scores), which picks token v
+with probability softmax(logits / T)_v. U depends only on (seed, step, token id), with seed and step
+in [0, 2^32), so a request's tokens depend only on its seed, its output index and its logits.
+
+    gumbel_sample(logits[B,V] float, temperature[B] f32 >= 0, seed[B] i64, step[B] i64) -> i64 [B]
+        argmax_v score_v; a row at temperature 0 takes argmax_v logits_v.
+    top_k_top_p_sample(logits, temperature, top_k[B] i64, top_p[B] f32, seed, step) -> i64 [B]
+        argmax over the kept set K (kept_mask) of the same scores; temperature 0: argmax logits.
+
+The kept set K of a row is defined by logit values, so tokens of equal logit are kept or dropped
+together (never split by their position in a sort). With l the logits read as float32,
+
+    e_v = exp2((l_v - max l) * c),  c = log2(e) / T  (float32),    Z = sum_v e_v
+    count(x) = |{j : l_j > x}|,   mass(x) = sum_{j : l_j > x} e_j
+    K = {i : count(l_i) = 0  or  (count(l_i) < top_k  and  (top_p >= 1  or  mass(l_i) <= top_p * Z))}
+
+top_k >= V (or any count) keeps everything for top-k, top_p >= 1 skips the mass test, and the top
+tie group is always kept. Where every logit differs, K is the usual "k most likely tokens, then the
+smallest prefix of mass >= top_p". K is an upper set: a token whose logit is >= a kept token's is kept.
+The sums are float32 in both implementations, in different orders: they agree on K except where some
+mass(l_i) lies within rounding (~1e-6 relative) of top_p * Z.
+"""
+import torch
+
+_MASK32 = 0xFFFFFFFF
+LOG2E = 1.4426950408889634
+
+
+def mix32(x):
+    """A 32-bit integer hash, in int64 arithmetic that cannot overflow."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed, step, token_ids):
+    """Uniform (0, 1) values [B, V], a pure function of (seed[b], step[b], token_ids[b, v])."""
+    key = mix32(mix32(seed) ^ step)
+    bits = mix32(key[:, None] ^ token_ids) >> 8  # 24 bits: exact in float32
+    return (bits.float() + 0.5) / float(1 << 24)
+
+
+def gumbel_scores(logits, temperature, seed, step, token_ids):
+    """logits / T + Gumbel noise drawn for (seed, step, token id); its argmax is a sample."""
+    return logits / temperature[:, None] - (-uniform_noise(seed, step, token_ids).log()).log()
+
+
+def _scores(logits, temperature, seed, step):
+    """(float32 logits, the scores of all tokens; rows at temperature 0 score by their logits)."""
+    token_ids = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    logits, greedy = logits.float(), temperature == 0
+    scores = gumbel_scores(logits, torch.where(greedy, 1.0, temperature), seed, step, token_ids)
+    return logits, torch.where(greedy[:, None], logits, scores)
+
+
+def gumbel_sample(logits, temperature, seed, step):
+    return _scores(logits, temperature, seed, step)[1].argmax(dim=-1)
+
+
+def kept_mask(logits, temperature, top_k, top_p):
+    """K as a bool mask [B, V] (module docstring), for rows at temperature > 0."""
+    logits = logits.float()
+    c = LOG2E / torch.where(temperature > 0, temperature, 1.0)
+    e = torch.exp2((logits - logits.max(dim=-1, keepdim=True).values) * c[:, None])
+    z = e.sum(dim=-1, keepdim=True)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_e = e.gather(-1, order)
+    mass_before = torch.cat([torch.zeros_like(z), sorted_e.cumsum(dim=-1)[:, :-1]], dim=-1)
+    # count(l_i) is the sorted position where l_i's tie group starts; mass(l_i) the mass before it
+    position = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
+    starts = torch.ones_like(sorted_logits, dtype=torch.bool)
+    starts[:, 1:] = sorted_logits[:, 1:] != sorted_logits[:, :-1]
+    count = torch.where(starts, position, 0).cummax(dim=-1).values
+    mass = mass_before.gather(-1, count)
+    keep = (count == 0) | ((count < top_k[:, None]) & ((top_p[:, None] >= 1) | (mass <= top_p[:, None] * z)))
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step):
+    logits, scores = _scores(logits, temperature, seed, step)
+    kept = kept_mask(logits, temperature, top_k, top_p) | (temperature == 0)[:, None]
+    return scores.masked_fill(~kept, float("-inf")).argmax(dim=-1)
