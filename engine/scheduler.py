@@ -6,6 +6,11 @@ order), then new admissions, first come first served. So no step runs prefill al
 sequences wait to decode, unless the budget is full of decodes. A batch lists its decode rows first
 (engine/attention.py routes them to the decode kernel) and its prefill chunks after.
 
+While sequences decode, new ones are admitted a batch at a time: only once admission_batch
+(max_num_seqs // 8) sequence slots are free, or the waiting queue is shorter than that. A step with
+prefill chunks cannot replay a decode CUDA graph, and its eager forward costs the host ~20 ms whatever
+its size (H200, Qwen3-0.6B: benchmarks/NOTES.md), so one such step for many admissions beats one for each.
+
 Admission: a waiting sequence takes the longest run of its full blocks that the prefix cache holds
 (never its last token, whose logits are needed), and is admitted when the rest of it fits in the free
 blocks (cached blocks count as free), the budget has room for (a chunk of) it and fewer than
@@ -58,6 +63,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.admission_batch = max(1, max_num_seqs // 8)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -127,6 +133,9 @@ class Scheduler:
     def _admit(self, budget: int, seqs: list, counts: list, slots: list) -> tuple[int, int]:
         """New admissions, first come first served; returns (prefix-cache hit tokens, admitted tokens)."""
         manager, hits, admitted = self.block_manager, 0, 0
+        free_slots = self.max_num_seqs - len(self.running)
+        if self.running and free_slots < min(self.admission_batch, len(self.waiting)):
+            return hits, admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = manager.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // manager.block_size])

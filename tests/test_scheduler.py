@@ -97,3 +97,27 @@ def test_stop_token_ends_the_output_even_with_a_step_in_flight(make_config):
         assert seq.output_token_ids == ref.output_token_ids[:cut]
         assert seq.finish_reason == ("stop" if stop in ref.output_token_ids else "length")
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_admissions_wait_for_a_batch_of_free_slots_while_sequences_decode():
+    # max_num_seqs 16 -> admission_batch 2: with 16 running, one finishing frees 1 slot (< 2): nobody is
+    # admitted; a second finishing frees 2: both waiting-line heads are admitted in the same step.
+    scheduler = Scheduler(KVBlockManager(200, 4), max_num_seqs=16, max_num_batched_tokens=1000)
+    assert scheduler.admission_batch == 2
+    for i in range(20):
+        scheduler.add(make_seq(i, 3))
+    first = scheduler.schedule()
+    assert len(first.seqs) == 16 and len(scheduler.waiting) == 4
+    for seq, n in zip(first.seqs, first.num_new_tokens):
+        seq.num_computed_tokens += n
+        seq.output_token_ids.append(7)  # the token each drew
+    scheduler.finish(first.seqs[0], "stop")
+    one_free = scheduler.schedule()
+    assert one_free.phase == "decode" and len(one_free.seqs) == 15 and len(scheduler.waiting) == 4
+    for seq in one_free.seqs:
+        seq.num_computed_tokens += 1
+        seq.output_token_ids.append(7)
+    scheduler.finish(first.seqs[1], "stop")
+    two_free = scheduler.schedule()
+    assert two_free.phase == "mixed" and two_free.num_decode_seqs == 14
+    assert [s.seq_id for s in two_free.seqs[14:]] == [16, 17] and len(scheduler.waiting) == 2
