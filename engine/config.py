@@ -74,7 +74,7 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: Optional[int] = None  # sequences running at once; null: the device's default (CUDA 256, CPU 64)
+    max_num_seqs: Optional[int] = None  # sequences running at once; null: the device's default (CUDA 512, CPU 64)
     max_num_batched_tokens: Optional[int] = None  # tokens computed per step (decodes + prompt chunks); null: CUDA 16384, CPU 2048
 
 

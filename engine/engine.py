@@ -19,7 +19,7 @@ log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (max_num_seqs, max_num_batched_tokens) when the config leaves them unset: on CUDA what measured best on
 # an H200 (benchmarks/NOTES.md); on the CPU small batches, where a step's cost grows with its tokens.
-SCHEDULER_DEFAULTS = {"cuda": (256, 16384), "cpu": (64, 2048)}
+SCHEDULER_DEFAULTS = {"cuda": (512, 16384), "cpu": (64, 2048)}
 
 
 class RequestError(ValueError):
