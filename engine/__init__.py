@@ -8,7 +8,8 @@ The names below are imported when first used, so that `import engine.config` (an
 import importlib
 
 _EXPORTS = {"LLM": "engine.llm", "Request": "engine.llm", "RequestOutput": "engine.llm",
-            "CompletionOutput": "engine.llm", "SamplingParams": "engine.sequence", "RequestError": "engine.engine"}
+            "CompletionOutput": "engine.llm", "Logprob": "engine.llm",
+            "SamplingParams": "engine.sequence", "RequestError": "engine.engine"}
 __all__ = list(_EXPORTS)
 
 

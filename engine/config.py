@@ -10,7 +10,9 @@ import ast
 import dataclasses
 import difflib
 import functools
+import inspect
 import io
+import json
 import math
 import os
 import tokenize
@@ -21,6 +23,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.nodes import FloatNode
+
+from engine.sequence import FIELD_KINDS, SamplingParams
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -78,22 +82,28 @@ class SchedulerConfig:
     max_num_batched_tokens: Optional[int] = None  # tokens computed per step (decodes + prompt chunks); null: CUDA 16384, CPU 2048
 
 
-@dataclass
-class SamplingConfig:
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0  # sample from the most likely tokens whose probabilities sum to top_p; 1: off
-    top_k: int = -1  # sample from the k most likely tokens; <= 0: off
-    max_tokens: int = 64  # output tokens per request, at most
-    ignore_eos: bool = False  # go on past the end-of-sequence token, up to max_tokens
-    seed: int = 0  # a request's random draws depend only on its seed and its logits
-    stop_token_ids: list[int] = field(default_factory=list)  # more token ids that end a sequence
+def _config_type(name: str):
+    """The config key's type for SamplingParams field `name`: its type (lists for tuples), or null."""
+    element, many, _ = FIELD_KINDS[name]
+    return Optional[list[element]] if many else Optional[element]
+
+
+# sampling.*: one key per SamplingParams field, null meaning "not set" (the checkpoint's
+# generation_config.json value, else SamplingParams' default: engine/generation_config.py), and one more.
+SamplingConfig = dataclasses.make_dataclass(
+    "SamplingConfig", [(f.name, _config_type(f.name), None) for f in dataclasses.fields(SamplingParams)]
+    + [("use_generation_config", bool, True)])
+SamplingConfig.__module__ = __name__
+USE_GENERATION_CONFIG_HELP = "null sampling keys take the checkpoint's generation_config.json values where it has them"
 
 
 @dataclass
 class GenerateJob:
     name: str = "generate"
     input: Optional[str] = None  # a Parquet/JSONL file, directory or glob; None: the sample prompts shipped in jobs/
-    prompt_column: str = "prompt"
+    prompt_column: str = "prompt"  # text, or a conversation: a list of {role, content} structs (chat template applied)
+    chat_template: bool = False  # apply the chat template to a text prompt too, as one user message
+    chat_template_kwargs: Any = None  # a mapping passed to the chat template, e.g. {enable_thinking: false}
     id_column: Optional[str] = None  # None: column "id" when the input has one, else row numbers
     keep_columns: Optional[list[str]] = None  # input columns carried to the output; None: all
     output_format: str = "parquet"  # parquet: generations.parquet | openai: generations.jsonl, OpenAI batch output
@@ -148,9 +158,9 @@ def register_configs() -> None:
 
 
 @functools.cache
-def _field_comments() -> dict[str, dict[str, str]]:
-    """class name -> field -> the comment on the field's line(s) in this file."""
-    source = Path(__file__).read_text()
+def _field_comments(path: str) -> dict[str, dict[str, str]]:
+    """class name -> field -> the comment on the field's line(s) in the Python file at `path`."""
+    source = Path(path).read_text()
     comments = {tok.start[0]: tok.string.lstrip("#").strip()
                 for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
     return {cls.name: {stmt.target.id: next((comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1)
@@ -160,8 +170,19 @@ def _field_comments() -> dict[str, dict[str, str]]:
 
 
 def key_help(schema: type) -> dict[str, str]:
-    """Each field of a config dataclass -> its description ("" where it has none)."""
-    return _field_comments()[schema.__name__]
+    """Each field of a config dataclass -> its description ("" where it has none). The sampling keys are
+    described by SamplingParams' comments, with what null means."""
+    if schema is not SamplingConfig:
+        return _field_comments(__file__)[schema.__name__]
+    from engine.generation_config import SAMPLING_KEYS
+
+    described = _field_comments(inspect.getsourcefile(SamplingParams))[SamplingParams.__name__]
+    help_text = {}
+    for f in dataclasses.fields(SamplingParams):
+        default = json.dumps(list(f.default) if isinstance(f.default, tuple) else f.default)
+        checkpoint = "generation_config.json's value, else " if f.name in SAMPLING_KEYS.values() else ""
+        help_text[f.name] = described[f.name] + ("" if f.default is None else f" (null: {checkpoint}{default})")
+    return {**help_text, "use_generation_config": USE_GENERATION_CONFIG_HELP}
 
 
 def _schema_of(owner: type, name: str, job: str | None) -> type | None:
@@ -263,6 +284,20 @@ def check_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
             f"(or cache.kv_budget_gb, cache.gpu_memory_utilization) or lower model.max_model_len")
 
 
+def set_sampling(sampling_cfg) -> dict:
+    """The sampling.* keys that are set (not null), by SamplingParams field, as plain values."""
+    values = OmegaConf.to_container(sampling_cfg) if OmegaConf.is_config(sampling_cfg) else dict(sampling_cfg)
+    return {f.name: values[f.name] for f in dataclasses.fields(SamplingParams) if values.get(f.name) is not None}
+
+
+def sampling_params(sampling_cfg) -> SamplingParams:
+    """SamplingParams from the set sampling.* keys; ConfigError naming the key if one is bad."""
+    try:
+        return SamplingParams(**set_sampling(sampling_cfg))
+    except ValueError as err:
+        raise ConfigError(f"sampling.{err}") from None
+
+
 def validate(cfg) -> None:
     """Raise ConfigError naming the first field whose value cannot work."""
     check_keys(cfg)
@@ -279,9 +314,7 @@ def validate(cfg) -> None:
     _check(s.max_num_seqs is None or s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
     _check(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
            "must be >= 1", s.max_num_batched_tokens)
-    _check(p.temperature >= 0, "sampling.temperature", "must be >= 0", p.temperature)
-    _check(0 < p.top_p <= 1, "sampling.top_p", "must be in (0, 1]", p.top_p)
-    _check(p.max_tokens >= 1, "sampling.max_tokens", "must be >= 1", p.max_tokens)
+    sampling_params(p)
     if c.num_blocks is not None:
         check_pool(c.num_blocks, c.block_size, m.max_model_len)
     if cfg.job.name == "generate":
@@ -292,6 +325,8 @@ def validate(cfg) -> None:
         _check(j.id_column is None or bool(j.id_column), "job.id_column", "must name a column or be null", j.id_column)
         _check(j.input is None or bool(j.input.strip()), "job.input",
                "is empty: give a Parquet or JSONL file, a directory or a glob (or leave it unset for the sample)", j.input)
+        _check(j.chat_template_kwargs is None or OmegaConf.is_dict(j.chat_template_kwargs), "job.chat_template_kwargs",
+               "must be a mapping such as {enable_thinking: false}, or null", j.chat_template_kwargs)
         _check(j.output_format in ("parquet", "openai"), "job.output_format", "must be 'parquet' or 'openai'", j.output_format)
     if cfg.job.name == "bench":
         for key in ("input_len", "output_len"):

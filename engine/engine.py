@@ -9,7 +9,9 @@ from engine.block_manager import KVBlockManager, blocks_needed, extend_block_has
 from engine.config import ConfigError, cpu_threads
 from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
-from engine.models.loader import build_model
+from engine.detokenizer import IncrementalDetokenizer
+from engine.generation_config import read_generation_config, stop_ids
+from engine.models.loader import build_model, resolve_model_path
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.stats import StatsRecorder, snapshot
@@ -57,7 +59,9 @@ class LLMEngine:
         self.cfg = cfg
         self.max_model_len = cfg.model.max_model_len
         self.device, self.dtype = resolve_device(cfg.model)
-        self.model, self.eos_token_ids = build_model(cfg.model, self.device, self.dtype)
+        self.model, config_eos = build_model(cfg.model, self.device, self.dtype)
+        self.generation_config = read_generation_config(resolve_model_path(cfg.model))
+        self.eos_token_ids = stop_ids(config_eos, self.generation_config)
         if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
             torch.set_num_threads(cpu_threads(cfg.model, self.model.arch.hidden_size))
         self.tokenizer = load_tokenizer(cfg.model)
@@ -108,15 +112,32 @@ class LLMEngine:
         return self.block_manager.num_physical_blocks
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
-        """Queue a request; raises RequestError, queueing nothing, if it can never run."""
+        """Queue a request's n samples; returns sample 0. Raises RequestError, queueing nothing, if it can
+        never run. With prefix caching (and a full block of prompt), samples 1..n-1 are held back until
+        sample 0's whole prompt is scheduled (its full blocks are then in the cache) and queued first in
+        line then: they share every full block of the prompt and compute only its partial last block. A
+        request for prompt logprobs takes nothing from the cache (as in vLLM): its prompt must be computed
+        to have them."""
         self.check_request(len(prompt_token_ids), sampling)
         if max(prompt_token_ids) >= self.model.arch.vocab_size or min(prompt_token_ids) < 0:
             raise RequestError(f"token ids must be in [0, {self.model.arch.vocab_size})")
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
-        seq = Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling, max_num_tokens)
-        self._hash_known_blocks(seq)
-        self.scheduler.add(seq)
-        return seq
+        samples = [Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling.sample(i),
+                            max_num_tokens, sample_index=i) for i in range(sampling.n)]
+        if sampling.prompt_logprobs is None:
+            self._hash_known_blocks(samples[0])
+        for seq in samples:
+            seq.block_hashes = list(samples[0].block_hashes)
+            if sampling.stop:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        first, rest = samples[0], samples[1:]
+        self.scheduler.add(first)
+        if first.block_hashes:
+            first.held_samples = rest
+        else:
+            for seq in rest:
+                self.scheduler.add(seq)
+        return first
 
     def _hash_known_blocks(self, seq: Sequence) -> None:
         """Extend seq.block_hashes over the full blocks whose tokens are all known (prefix caching)."""
@@ -132,6 +153,10 @@ class LLMEngine:
             raise RequestError(f"prompt has {prompt_len} tokens; model.max_model_len {self.max_model_len} leaves no room for output")
         if sampling.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
+        vocab = self.model.arch.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(sampling, name) or 0) > vocab:
+                raise RequestError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(sampling, name)}")
         need = blocks_needed(min(prompt_len + sampling.max_tokens, self.max_model_len), self.block_size)
         if need > self.num_blocks:
             raise RequestError(f"needs {need} blocks of {self.block_size} tokens; the pool has {self.num_blocks}")
@@ -156,14 +181,17 @@ class LLMEngine:
             raise AssertionError(f"block manager invariants broken after step {stats.step}")
         return finished
 
-    @staticmethod
-    def _account(batch) -> None:
+    def _account(self, batch) -> None:
         """Count the launched chunks as computed; a chunk that ends its sequence's prefill drew a token,
-        which stays a placeholder until resolved."""
+        which stays a placeholder until resolved. A sequence whose prompt is now all scheduled lets its
+        held samples into the queue, first in line."""
         for seq, n, draws in zip(batch.seqs, batch.num_new_tokens, batch.draws):
             seq.num_computed_tokens += n
             if draws:
                 seq.output_token_ids.append(PLACEHOLDER)
+                if seq.held_samples:
+                    self.scheduler.add_first(seq.held_samples)
+                    seq.held_samples = []
 
     def _resolve(self, step: InFlight) -> list[Sequence]:
         """Fill in the tokens of a finished step and retire the sequences they end."""
@@ -174,7 +202,7 @@ class LLMEngine:
             seq.output_token_ids[index] = token
             reason = self._finish_reason(seq, token, index)
             if reason:
-                del seq.output_token_ids[index + 1:]  # a token drawn after the stop, still in flight
+                seq.truncate_outputs(index + 1)  # a token drawn after the stop, still in flight
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
             elif self.prefix_caching and (len(seq.prompt_token_ids) + index + 1) % self.block_size == 0:
@@ -189,12 +217,34 @@ class LLMEngine:
             self.block_manager.register_full_blocks(seq.seq_id, seq.block_hashes)
 
     def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
+        """stop, length or None for output `index` (= token) of seq; sets seq.stop_reason and, for a stop
+        string, seq.output_text. EOS, stop ids and stop strings end nothing before min_tokens outputs; a
+        stop string is looked for in the text the token completed (a string may span tokens)."""
         p = seq.sampling
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        stopping = index + 1 >= p.min_tokens
+        if stopping and token in p.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if stopping and token in self.eos_token_ids and not p.ignore_eos:
+            return "stop"
+        if seq.detokenizer is not None and self._stop_string(seq, token, stopping):
             return "stop"
         if len(seq.prompt_token_ids) + index + 1 >= seq.max_num_tokens:
             return "length"
         return None
+
+    @staticmethod
+    def _stop_string(seq: Sequence, token: int, stopping: bool) -> bool:
+        """Detokenize the token; True if the text it completed ends a stop string (when `stopping`), with
+        seq.stop_reason the string and seq.output_text the text cut before it (after it when
+        include_stop_str_in_output)."""
+        new_chars = seq.detokenizer.add(token)
+        found = seq.detokenizer.find_stop(seq.sampling.stop, new_chars) if stopping and new_chars else None
+        if found:
+            seq.stop_reason, start = found
+            end = start + len(seq.stop_reason) if seq.sampling.include_stop_str_in_output else start
+            seq.output_text = seq.detokenizer.text[:end]
+        return found is not None
 
     def close(self) -> None:
         """Free the KV cache and the CUDA graphs; the engine cannot step afterwards."""

@@ -28,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from engine.config import CacheConfig, Config, ConfigError, ModelConfig, NoJob, SchedulerConfig, check_pool, validate
 from engine.engine import LLMEngine, RequestError
+from engine.generation_config import resolve_sampling
 from engine.sequence import SamplingParams
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -38,12 +39,22 @@ OPTIONS = {f.name: section for section, schema in SECTIONS.items() for f in data
 
 
 @dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token; None for the token drawn when outside the k returned
+
+
+Logprobs = list[dict[int, Logprob]]  # per token: {the token: its Logprob, then the k most likely, by rank}
+
+
+@dataclass
 class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
+    index: int  # the sample's index among the request's n
+    text: str  # cut before the stop string that ended it (unless include_stop_str_in_output)
+    token_ids: list[int]  # every token drawn, the one that completed a stop string or a stop id included
     finish_reason: str | None  # stop | length
-    logprobs: None = None  # not computed yet
+    logprobs: Logprobs | None = None  # when SamplingParams.logprobs is not None
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it; None for EOS
 
 
 @dataclass
@@ -51,9 +62,10 @@ class RequestOutput:
     request_id: Any
     prompt: str | None  # None for token-id prompts and conversations
     prompt_token_ids: list[int] | None  # None when the request failed before tokenization
-    outputs: list[CompletionOutput]  # empty when the request failed
+    outputs: list[CompletionOutput]  # one per sample (SamplingParams.n), by index; empty when the request failed
     error: str | None = None  # why the request could not run (stream() only; generate() raises)
     finished: bool = True
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # when SamplingParams.prompt_logprobs is not None
 
 
 @dataclass
@@ -102,11 +114,10 @@ def engine_config(model: str, **options) -> DictConfig:
     return cfg
 
 
-def default_sampling(cfg) -> SamplingParams:
-    """The run's SamplingParams from the sampling section of the config."""
-    s = cfg.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                          ignore_eos=s.ignore_eos, seed=s.seed, stop_token_ids=tuple(s.stop_token_ids))
+def default_sampling(cfg, generation_config: dict | None = None) -> SamplingParams:
+    """The run's SamplingParams: the sampling section of the config, with the checkpoint's
+    generation_config.json (a dict) for the keys it leaves null."""
+    return resolve_sampling(cfg.sampling, generation_config or {})
 
 
 class LLM:
@@ -125,7 +136,7 @@ class LLM:
         self.engine = LLMEngine(cfg)
         check_pool(self.engine.num_blocks, self.engine.block_size, self.engine.max_model_len)
         self.tokenizer = self.engine.tokenizer
-        self.default_sampling = default_sampling(cfg)
+        self.default_sampling = default_sampling(cfg, self.engine.generation_config)
         self._abandoned = False  # a stream was left before its end: its requests are still in the engine
 
     # -- everything at once --------------------------------------------------------------------------
@@ -187,6 +198,7 @@ class LLM:
             for _ in self.engine.run():
                 pass
         live: dict[str, Request] = {}  # the engine's request id (unique in this stream) -> request
+        samples: dict[str, list] = {}  # the finished samples of the live requests
         self._abandoned = True
         for n, request in enumerate(requests):
             result = self._admit(request, str(n), chat_template_kwargs)
@@ -195,11 +207,19 @@ class LLM:
                 continue
             live[str(n)] = request
             while len(live) >= window:
-                for seq in self.engine.step():
-                    yield self._result(live.pop(seq.request_id), seq)
-        for seq in self.engine.run():
-            yield self._result(live.pop(seq.request_id), seq)
+                yield from self._results(self.engine.step(), live, samples)
+        yield from self._results(self.engine.run(), live, samples)
         self._abandoned = False
+
+    def _results(self, finished: Iterable, live: dict[str, Request],
+                 samples: dict[str, list]) -> Iterator[RequestOutput]:
+        """The results of the requests whose last sample is among the `finished` sequences."""
+        for seq in finished:
+            done = samples.setdefault(seq.request_id, [])
+            done.append(seq)
+            if len(done) == self._sampling(live[seq.request_id]).n:
+                del samples[seq.request_id]
+                yield self._result(live.pop(seq.request_id), sorted(done, key=lambda s: s.sample_index))
 
     def _admit(self, request: Request, key: str, chat_template_kwargs) -> RequestOutput | None:
         """Tokenize the request and queue it under `key`; its error result if it cannot run."""
@@ -219,6 +239,7 @@ class LLM:
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
         if request.messages is not None:
+            check_messages(request.messages)
             try:
                 return self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
                                                           return_dict=False, **(chat_template_kwargs or {}))
@@ -230,7 +251,55 @@ class LLM:
             raise RequestError("prompt is empty")
         return self.tokenizer.encode(request.prompt, add_special_tokens=False)
 
-    def _result(self, request: Request, seq) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)
-        return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids, [completion])
+    def _result(self, request: Request, samples: list) -> RequestOutput:
+        completions = [CompletionOutput(seq.sample_index, self._text(seq), list(seq.output_token_ids),
+                                        seq.finish_reason, output_logprobs(seq), seq.stop_reason) for seq in samples]
+        first = samples[0]
+        return RequestOutput(request.request_id, request.prompt, first.prompt_token_ids, completions,
+                             prompt_logprobs=prompt_logprobs(first))
+
+    def _text(self, seq) -> str:
+        """The output text: cut at the stop string that ended it, else the tokens decoded, without the
+        stop token (EOS or a stop id) that ended it unless include_stop_str_in_output (as vLLM)."""
+        if seq.output_text is not None:
+            return seq.output_text
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and not seq.sampling.include_stop_str_in_output:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def check_messages(messages) -> None:
+    """RequestError naming the message and the field when a conversation is not a list of {role, content}."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"messages must be a non-empty list of {{role, content}}, got {messages!r}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{i}] must be a {{role, content}} object, got {message!r}")
+        for key in ("role", "content"):
+            if message.get(key) is None:
+                raise RequestError(f"messages[{i}] has no {key}")
+            if not isinstance(message[key], str):
+                raise RequestError(f"messages[{i}].{key} must be a string, got {message[key]!r}")
+
+
+def _logprob_dicts(token_ids, logprobs, tops) -> list[dict[int, Logprob] | None]:
+    """Per position: {its token: Logprob, the k most likely tokens: theirs, by rank}; None where the
+    logprob is None (the first prompt token)."""
+    positions = []
+    for token, logprob, top in zip(token_ids, logprobs, tops or [None] * len(logprobs)):
+        ranked = {t: Logprob(value, rank) for rank, (t, value) in enumerate(top or (), 1)}
+        positions.append(None if logprob is None else {token: ranked.get(token, Logprob(logprob)), **ranked})
+    return positions
+
+
+def output_logprobs(seq) -> Logprobs | None:
+    if seq.sampling.logprobs is None:
+        return None
+    return _logprob_dicts(seq.output_token_ids, seq.output_logprobs, seq.top_logprobs)
+
+
+def prompt_logprobs(seq) -> list[dict[int, Logprob] | None] | None:
+    if seq.sampling.prompt_logprobs is None:
+        return None
+    return _logprob_dicts(seq.prompt_token_ids, seq.prompt_logprobs, seq.prompt_top_logprobs)

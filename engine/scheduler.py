@@ -71,6 +71,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_first(self, seqs: list[Sequence]) -> None:
+        """Queue seqs first in line, in their order (the other samples of a request being prefilled)."""
+        self.waiting.extendleft(reversed(seqs))
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

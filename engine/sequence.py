@@ -8,8 +8,15 @@ The engine runs one step ahead of the host: a sampled token is known on the devi
 reads it, so the newest output may be PLACEHOLDER until the step that drew it is resolved. At most the
 last output is a placeholder.
 """
-from dataclasses import dataclass, field
+import hashlib
+import math
+import numbers
+import typing
+from dataclasses import dataclass, field, replace
 from enum import Enum
+
+if typing.TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
 
 
 PLACEHOLDER = -1
@@ -23,26 +30,116 @@ class Status(Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks for. The one schema of sampling settings: the sampling.* config keys and the
-    per-row input columns are these fields."""
+    """What a request asks for. The one schema of sampling settings: the sampling.* config keys
+    (engine/config.py's SamplingConfig), the per-row input columns (jobs/inputs.py) and their checks all
+    come from these fields, their types and `problem()`, so a new parameter is added here only.
+
+    Values are converted and checked when made: a list becomes a tuple, a whole float an int (JSON and
+    Parquet hand over 2.0 for 2), one stop string a tuple of one; ValueError names the field of any other."""
 
     temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0: off
+    top_p: float = 1.0  # sample from the most likely tokens whose probabilities sum to top_p; 1: off
+    top_k: int = -1  # sample from the k most likely tokens; <= 0: off
     min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's; 0: off
-    max_tokens: int = 64
-    min_tokens: int = 0  # EOS and stop ids cannot end the output before this many tokens
-    ignore_eos: bool = False
-    seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one it contains
-    include_stop_str_in_output: bool = False
-    n: int = 1  # samples per prompt; sample i draws with a seed derived from (seed, i)
+    max_tokens: int = 64  # output tokens per request, at most
+    min_tokens: int = 0  # EOS, stop ids and stop strings cannot end the output before this many tokens
+    ignore_eos: bool = False  # go on past the end-of-sequence token, up to max_tokens
+    seed: int = 0  # a request's random draws depend only on its seed and its logits
+    stop_token_ids: tuple[int, ...] = ()  # more token ids that end the output (kept in it)
+    stop: tuple[str, ...] = ()  # stop strings: the output text ends before the first one it contains
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) at the end of the text
+    n: int = 1  # samples per prompt; sample i draws with seed sample_seed(seed, i)
     logprobs: int | None = None  # k: the log-probability of each output token, and k > 0: the k most likely
     prompt_logprobs: int | None = None  # the same for the prompt tokens
     repetition_penalty: float = 1.0  # transformers' definition, over prompt and output tokens; 1: off
     presence_penalty: float = 0.0  # OpenAI's definition, over output tokens; 0: off
     frequency_penalty: float = 0.0  # OpenAI's definition, over output tokens; 0: off
+
+    def __post_init__(self):
+        for name, kind in FIELD_KINDS.items():
+            object.__setattr__(self, name, _convert(name, getattr(self, name), kind))
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self) -> str | None:
+        """What is wrong with these (converted) values, naming the field; None if nothing is."""
+        checks = (
+            (self.temperature >= 0, "temperature", "must be >= 0", self.temperature),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p),
+            (self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens={self.max_tokens}]",
+             self.min_tokens),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0", self.stop_token_ids),
+            (all(self.stop), "stop", "must not hold an empty string", self.stop),
+            (self.n >= 1, "n", "must be >= 1", self.n),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0 or null", self.logprobs),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0 or null",
+             self.prompt_logprobs),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0", self.repetition_penalty),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]", self.presence_penalty),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty),
+        )
+        return next((f"{name} {rule}, got {value!r}" for ok, name, rule, value in checks if not ok), None)
+
+    def sample(self, index: int) -> "SamplingParams":
+        """The settings sample `index` of n draws with: the same, with seed sample_seed(seed, index)."""
+        return self if index == 0 else replace(self, seed=sample_seed(self.seed, index))
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`: the seed itself for sample 0 (so n=1 is
+    unchanged), else the first 8 bytes of BLAKE2b("<seed>:<index>"), little-endian, shifted right by one
+    (a non-negative int64)."""
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _kind(annotation) -> tuple[type, bool, bool]:
+    """(element type, is a tuple of them, may be None) of a SamplingParams field's annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None) and a is not Ellipsis]
+    if typing.get_origin(annotation) is tuple:
+        return args[0], True, False
+    if args:  # X | None
+        return args[0], False, True
+    return annotation, False, False
+
+
+def _scalar(name: str, value, kind: type):
+    """`value` as `kind`: no bool for a number (nor a number for a bool), a float only if finite, an int
+    from a float only if whole."""
+    try:
+        if isinstance(value, bool) != (kind is bool) or isinstance(value, str) != (kind is str):
+            raise ValueError
+        if kind is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        converted = kind(value)
+        if kind is float and not math.isfinite(converted):
+            raise ValueError
+        return converted
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} {value!r} is not a valid {kind.__name__}") from None
+
+
+def _convert(name: str, value, kind: tuple[type, bool, bool]):
+    element, many, optional = kind
+    if value is None and optional:
+        return None
+    if not many:
+        return _scalar(name, value, element)
+    if isinstance(value, str) and element is str:  # one stop string, as vLLM takes it
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not all(map(_ELEMENT_OK[element], value)):
+        raise ValueError(f"{name} must be a list of {'strings' if element is str else 'token ids'}, got {value!r}")
+    return tuple(element(v) for v in value)
+
+
+_ELEMENT_OK = {str: lambda v: isinstance(v, str),
+               int: lambda v: not isinstance(v, bool) and (isinstance(v, numbers.Integral) or
+                                                          isinstance(v, float) and v.is_integer())}
+FIELD_KINDS = {name: _kind(kind) for name, kind in typing.get_type_hints(SamplingParams).items()}
 
 
 @dataclass(eq=False)
@@ -58,6 +155,16 @@ class Sequence:
     finish_reason: str | None = None  # stop | length
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its known full blocks
+    sample_index: int = 0  # which of the request's n samples this is
+    held_samples: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, queued once this one's prompt is
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None for EOS)
+    detokenizer: "IncrementalDetokenizer | None" = None  # only when sampling.stop is set
+    output_text: str | None = None  # set when a stop string ended it: the text, cut; else decode the token ids
+    # Filled by the sampler (engine/sampler.py) when sampling.logprobs / prompt_logprobs is not None:
+    output_logprobs: list[float] = field(default_factory=list)  # one per output token, of the token drawn
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output token: k (id, logprob)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token; None for the first
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # k per prompt token
 
     @property
     def num_tokens(self) -> int:
@@ -90,3 +197,8 @@ class Sequence:
         prompt_len = len(self.prompt_token_ids)
         head = self.prompt_token_ids[start:stop]
         return head + self.output_token_ids[max(start - prompt_len, 0):stop - prompt_len] if stop > prompt_len else head
+
+    def truncate_outputs(self, num_outputs: int) -> None:
+        """Drop the outputs after the first num_outputs (a token drawn past the stop), with their logprobs."""
+        for values in (self.output_token_ids, self.output_logprobs, self.top_logprobs):
+            del values[num_outputs:]

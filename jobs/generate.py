@@ -1,8 +1,10 @@
 """job=generate: input rows in, result rows out, through the Python API's streaming core (LLM.stream).
 
 Input (jobs/inputs.py): job.input, a Parquet or JSONL file, a directory or a glob (default: the sample
-shipped beside this file), read in record batches; a prompt column or OpenAI batch conversations; ids from
-job.id_column, column "id" or row numbers; optional per-row sampling values. Rows are turned into
+shipped beside this file), read in record batches; a prompt column (text or conversations) or OpenAI batch
+conversations, conversations (and text with job.chat_template=true) going through the tokenizer's chat
+template; ids from job.id_column, column "id" or row numbers; optional per-row sampling values, a column
+per SamplingParams field. Rows are turned into
 requests lazily: LLM.stream pulls and tokenizes them only while its window has room, so memory is bounded
 by the rows in flight and the output buffer, not by the input's size. A row that cannot run (null, empty
 or non-UTF-8 prompt, too long, a bad per-row value) is written with finish_reason "error" and its message;
@@ -10,8 +12,9 @@ every other row completes.
 
 Output (jobs/results.py): rows are saved in parts as they finish, carrying their input row number; a run
 started again with the same hydra.run.dir skips the rows saved (after checking the settings and the input's
-fingerprint), and the final file is written at the end in input order, one row per input row, with the
-input's extra columns (job.keep_columns) beside the results: generations.parquet, or generations.jsonl in
+fingerprint), and the final file is written at the end in input order, one row per input row and sample
+(SamplingParams.n; all the samples of a row are saved together, so a resume keeps exactly one of each), with
+the input's extra columns (job.keep_columns) beside the results: generations.parquet, or generations.jsonl in
 the OpenAI batch output format (job.output_format=openai). <run dir>/.minipaged.lock is held for the whole
 run: a second run on the same directory stops at once. SIGINT and SIGTERM stop the run after saving what
 finished; a write that fails (a full disk, a read-only directory) stops it, keeping the parts saved before.
@@ -22,13 +25,13 @@ them as they are.
 import contextlib
 import dataclasses
 import logging
-import math
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import torch
+from omegaconf import OmegaConf
 
 from engine.config import ConfigError
 from engine.engine import RequestError
@@ -36,7 +39,7 @@ from engine.llm import LLM, Request, RequestOutput, default_sampling  # noqa: F4
 from engine.sequence import SamplingParams
 from jobs import JobError
 from jobs.common import Progress, run_dir, run_lock, run_summary, write_run_stats
-from jobs.inputs import CHAT_URL, ROW_SAMPLING, Columns, InputFiles, check_ids, input_rows, plan_columns
+from jobs.inputs import CHAT_URL, Columns, InputFiles, check_ids, input_rows, openai_sampling, plan_columns
 from jobs.parquet import OutputError
 from jobs.results import ResultWriter, generations_schema
 
@@ -59,64 +62,74 @@ class _Terminated(KeyboardInterrupt):
 
 
 # -- rows to requests, results to rows ---------------------------------------------------------------
-def _coerce(column: str, value, kind):
-    """A per-row value as `kind`; RequestError when it is not one (3.5 is not an int, nan not a float)."""
-    try:
-        if kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        if isinstance(value, bool):
-            raise ValueError
-        converted = kind(value)
-        if kind is float and not math.isfinite(converted):
-            raise ValueError
-        return converted
-    except (TypeError, ValueError, OverflowError):
-        raise RequestError(f"{column} {value!r} is not a valid {kind.__name__}") from None
-
-
 def row_sampling(defaults: SamplingParams, values: dict) -> SamplingParams:
-    """The run's sampling settings with this row's own values where it has them; RequestError if one is bad."""
-    overrides = {c: _coerce(c, values[c], kind) for c, kind in ROW_SAMPLING.items() if values.get(c) is not None}
-    if overrides.get("max_tokens", 1) < 1:
-        raise RequestError(f"max_tokens must be >= 1, got {overrides['max_tokens']}")
-    if overrides.get("temperature", 0.0) < 0:
-        raise RequestError(f"temperature must be >= 0, got {overrides['temperature']}")
-    if not 0 < overrides.get("top_p", 1.0) <= 1:
-        raise RequestError(f"top_p must be in (0, 1], got {overrides['top_p']}")
-    return dataclasses.replace(defaults, **overrides)
+    """The run's sampling settings with this row's own values where it has them (the input's per-row
+    columns are SamplingParams' fields); RequestError naming the field if one is bad."""
+    try:
+        return dataclasses.replace(defaults, **values)
+    except ValueError as err:
+        raise RequestError(str(err)) from None
 
 
-def to_request(row: int, fields: dict, defaults: SamplingParams) -> Request:
-    """The request of one input row (jobs.inputs.input_rows); a row known to be unusable carries its error."""
+def to_request(row: int, fields: dict, defaults: SamplingParams, chat_template: bool = False) -> Request:
+    """The request of one input row (jobs.inputs.input_rows); a row known to be unusable carries its error.
+    chat_template: a text prompt goes through the chat template as one user message."""
     prompt = messages = error = params = None
+    if "url" in fields and fields["url"] != CHAT_URL:
+        error = f"url {fields['url']!r} is not supported, only {CHAT_URL}"
     if "messages" in fields:
         messages = fields["messages"]
-        if fields["url"] != CHAT_URL:
-            error = f"url {fields['url']!r} is not supported, only {CHAT_URL}"
-        elif messages is None:
-            error = "body has no messages"
+        if messages is None:
+            error = error or ("body has no messages" if "url" in fields else "prompt is null")
     elif fields["prompt"] is not None:
         try:
             prompt = fields["prompt"].decode("utf-8")
         except UnicodeDecodeError as err:
             prompt = fields["prompt"].decode("utf-8", "replace")
             error = f"prompt is not valid UTF-8 ({err.reason} at byte {err.start})"
+        if chat_template and prompt:
+            messages = [{"role": "user", "content": prompt}]
     try:
-        params = row_sampling(defaults, fields["sampling"])
-    except RequestError as err:
+        values = openai_sampling(fields["sampling"]) if "url" in fields else fields["sampling"]
+        params = row_sampling(defaults, values)
+    except (RequestError, ValueError) as err:
         error = error or str(err)
     return Request(row, prompt=prompt, messages=messages, sampling_params=params, error=error)
 
 
-def result_row(out: RequestOutput) -> dict:
-    """A part row (jobs.results.PART_SCHEMA) from a result of LLM.stream."""
+def result_rows(out: RequestOutput) -> list[dict]:
+    """The part rows (jobs.results.PART_SCHEMA) of a result of LLM.stream: one per sample, or one error row."""
     if out.error:
-        return {"row": out.request_id, "prompt": out.prompt, "output_text": None, "output_token_ids": None,
-                "finish_reason": "error", "prompt_tokens": None, "output_tokens": 0, "error": out.error}
-    completion = out.outputs[0]
-    return {"row": out.request_id, "prompt": out.prompt, "output_text": completion.text,
-            "output_token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
-            "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(completion.token_ids), "error": None}
+        return [{"row": out.request_id, "sample_index": 0, "prompt": out.prompt, "finish_reason": "error",
+                 "output_tokens": 0, "error": out.error}]
+    prompt_logprobs, prompt_top = flat_logprobs(out.prompt_token_ids, out.prompt_logprobs)
+    rows = []
+    for c in out.outputs:
+        by_string = isinstance(c.stop_reason, str)
+        logprobs, top = flat_logprobs(c.token_ids, c.logprobs)
+        rows.append({
+            "row": out.request_id, "sample_index": c.index, "prompt": out.prompt, "output_text": c.text,
+            "output_token_ids": c.token_ids, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason if by_string else None,
+            "stop_token_id": c.token_ids[-1] if c.finish_reason == "stop" and not by_string else None,
+            "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids), "error": None,
+            "output_logprobs": logprobs, "top_logprobs": top, "prompt_logprobs": prompt_logprobs,
+            "prompt_top_logprobs": prompt_top})
+    return rows
+
+
+def flat_logprobs(token_ids: list[int], positions: list | None) -> tuple[list | None, list | None]:
+    """The API's logprobs ({token: Logprob} per position, or None) as two output columns: the logprob of
+    each token (None for the first prompt token), and the k most likely [{token_id, logprob}] by rank
+    (None when k = 0)."""
+    if positions is None:
+        return None, None
+    logprobs = [None if p is None else p[t].logprob for t, p in zip(token_ids, positions)]
+    top = [None if p is None else [{"token_id": t, "logprob": lp.logprob}
+                                   for t, lp in sorted(((t, lp) for t, lp in p.items() if lp.rank),
+                                                       key=lambda item: item[1].rank)]
+           for p in positions]
+    return logprobs, top if any(top) else None
 
 
 def final_batches(source: InputFiles, columns: Columns) -> Iterator[pa.RecordBatch]:
@@ -145,19 +158,22 @@ def open_input(job) -> tuple[InputFiles, Columns, pa.DataType]:
     return source, columns, check_ids(source, columns.id)
 
 
-def generate(llm: LLM, requests: Iterator[Request], writer: ResultWriter, total: int) -> dict:
-    """Run the requests, handing each result row to the writer; returns the counts of summary.parquet."""
+def generate(llm: LLM, requests: Iterator[Request], writer: ResultWriter, total: int,
+             chat_template_kwargs: dict | None = None) -> dict:
+    """Run the requests, handing each request's result rows to the writer; returns the counts of
+    summary.parquet (prompt_tokens counts a prompt once, whatever its n)."""
     counts = {"num_requests": 0, "num_errors": 0, "prompt_tokens": 0, "output_tokens": 0}
     llm.engine.stats.restart_clock()  # time the generate loop, not the set-up before it
     progress = Progress(total)
     try:
-        for out in llm.stream(requests):
-            row = result_row(out)
-            writer.add(row)
+        for out in llm.stream(requests, chat_template_kwargs=chat_template_kwargs):
+            rows = result_rows(out)
+            writer.add(*rows)
+            output_tokens = sum(row["output_tokens"] for row in rows)
             counts["num_errors" if out.error else "num_requests"] += 1
-            counts["prompt_tokens"] += row["prompt_tokens"] or 0
-            counts["output_tokens"] += row["output_tokens"]
-            progress.finished(row["output_tokens"])
+            counts["prompt_tokens"] += rows[0].get("prompt_tokens") or 0
+            counts["output_tokens"] += output_tokens
+            progress.finished(output_tokens)
     finally:
         progress.close()
     return counts
@@ -179,15 +195,16 @@ def generate_job(cfg, directory: Path) -> None:
                          writer.resumed, source.num_rows, writer.parts_dir, todo)
             if todo:
                 llm = LLM.from_config(cfg)
-                if columns.openai:
+                if columns.conversation or job.chat_template:
                     try:
                         llm.check_chat_template()
                     except ConfigError as err:
-                        raise JobError(f"job.input is an OpenAI batch (conversations), but {err}") from None
+                        raise JobError(f"{chat_input(job, columns)}, but {err}") from None
                 defaults = llm.default_sampling
-                requests = (to_request(row, fields, defaults) for row, fields in input_rows(source, columns, BATCH_ROWS)
-                            if writer.saved[row] < 0)
-                counts = generate(llm, requests, writer, todo)
+                requests = (to_request(row, fields, defaults, job.chat_template)
+                            for row, fields in input_rows(source, columns, BATCH_ROWS) if writer.saved[row] < 0)
+                kwargs = OmegaConf.to_container(job.chat_template_kwargs) if job.chat_template_kwargs else None
+                counts = generate(llm, requests, writer, todo, kwargs)
                 writer.flush()  # every row saved before the stats: a kill from here on loses no work
                 summary = run_summary(llm.engine, cfg, **counts)
                 summary["resumed_rows"] = writer.resumed
@@ -195,7 +212,9 @@ def generate_job(cfg, directory: Path) -> None:
             else:
                 log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")
             final = directory / ("generations.jsonl" if job.output_format == "openai" else "generations.parquet")
-            schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep])
+            asked = {name: cfg.sampling[name] is not None or name in columns.sampling
+                     for name in ("logprobs", "prompt_logprobs")}
+            schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked)
             writer.finalize(final_batches(source, columns), final, schema, job.output_format,
                             cfg.model.path or cfg.model.name)
     except KeyboardInterrupt as err:
@@ -219,6 +238,15 @@ def generate_job(cfg, directory: Path) -> None:
         _save(writer)
         raise
     log.info("wrote %s: %d rows", final, source.num_rows)
+
+
+def chat_input(job, columns: Columns) -> str:
+    """What makes the input need a chat template, in words."""
+    if columns.openai:
+        return "job.input is an OpenAI batch (conversations)"
+    if columns.conversation:
+        return f"job.prompt_column {job.prompt_column!r} holds conversations"
+    return "job.chat_template is true"
 
 
 def run(cfg) -> None:

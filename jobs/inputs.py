@@ -12,13 +12,14 @@ for the whole input (pyarrow's streaming reader fixes the schema from its first 
 missing or null in the first lines would fail later); the later passes parse each chunk again with it.
 Memory: one chunk or record batch at a time, plus the id column while the ids are checked.
 
-Columns. A text input has a prompt column (job.prompt_column; string, or binary decoded as UTF-8 row by
-row), an id column (job.id_column; unset: column "id" when present, else row numbers) and optional per-row
-sampling columns (ROW_SAMPLING). An OpenAI batch input (columns custom_id and body, body holding
-messages: `vllm run-batch`'s input) gives conversations: custom_id is the id, body.messages the
-conversation, body's max_completion_tokens (or max_tokens), temperature, top_p, top_k and seed the per-row
-sampling values; a url other than /v1/chat/completions is an error row. Every other input column is carried
-to generations.parquet (job.keep_columns: null for all, or a list).
+Columns. A text input has a prompt column (job.prompt_column; string, binary decoded as UTF-8 row by
+row, or a conversation: a list of structs with fields role and content), an id column (job.id_column;
+unset: column "id" when present, else row numbers) and optional per-row sampling columns, one per
+SamplingParams field (ROW_SAMPLING: max_tokens, temperature, stop, n, ...). An OpenAI batch input (columns
+custom_id and body, body holding messages: `vllm run-batch`'s input) gives conversations: custom_id is the
+id, body.messages the conversation, body's other fields the per-row sampling values (openai_sampling); a
+url other than /v1/chat/completions is an error row. Every other input column is carried to
+generations.parquet (job.keep_columns: null for all, or a list).
 
 Fingerprint (for resuming): per file, its path, size and BLAKE2b hash of every byte. A resume compares it
 with the one saved with the results and names the file that differs. Hashing reads the input once more
@@ -26,6 +27,8 @@ per start (about a second per GB, small beside generating from it); size and mti
 of the same size, and a hash of the Parquet footer would miss an edit that keeps the sizes and
 statistics (one letter of an uncompressed prompt). A copy or a touch that keeps the bytes is no change.
 """
+import dataclasses
+import difflib
 import glob
 import hashlib
 import io
@@ -40,13 +43,14 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
+from engine.sequence import SamplingParams
 from jobs import JobError
 
 log = logging.getLogger("minipaged")
 CHUNK_BYTES = 1 << 20
 DEFAULT_ID_COLUMN = "id"
-ROW_SAMPLING = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "seed": int}
-OPENAI_SAMPLING = ("max_completion_tokens", "max_tokens", "temperature", "top_p", "top_k", "seed")  # fields of body
+ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row columns: every sampling field
+OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
 
 
@@ -210,6 +214,7 @@ class Columns:
     id: str | None  # None: the ids are row numbers
     prompt: str | None  # the text column; None for an OpenAI batch
     openai: bool  # rows are OpenAI batch requests (custom_id, url, body.messages)
+    conversation: bool  # the prompt column holds conversations (lists of {role, content})
     sampling: list[str]  # per-row sampling columns (of a text input) or fields of body (OpenAI)
     keep: list[str]  # input columns carried to generations.parquet
     has_url: bool = False  # an OpenAI batch with a url column
@@ -240,13 +245,17 @@ def plan_columns(job, source: InputFiles, reserved: set[str]) -> Columns:
     if openai:
         id_column, prompt = job.id_column or "custom_id", None
         body = schema.field("body").type
-        sampling = [body.field(i).name for i in range(body.num_fields) if body.field(i).name in OPENAI_SAMPLING]
+        sampling = [body.field(i).name for i in range(body.num_fields) if body.field(i).name not in OPENAI_IGNORED]
+        conversation = True
     else:
         if job.prompt_column not in names:
             raise JobError(f"job.prompt_column: column {job.prompt_column!r} not in {where}; columns: {names}")
         kind = _plain_type(schema.field(job.prompt_column).type)
-        if not (_is_text(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_null(kind)):
-            raise JobError(f"job.prompt_column: column {job.prompt_column!r} in {where} holds {kind}, not strings")
+        conversation = is_conversation(kind)
+        if not (conversation or _is_text(kind) or pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+                or pa.types.is_null(kind)):
+            raise JobError(f"job.prompt_column: column {job.prompt_column!r} in {where} holds {kind}, neither strings "
+                           f"nor conversations (lists of structs with fields role and content)")
         id_column = job.id_column or (DEFAULT_ID_COLUMN if DEFAULT_ID_COLUMN in names else None)
         prompt = job.prompt_column
         sampling = [c for c in ROW_SAMPLING if c in names and c not in (id_column, prompt)]
@@ -264,7 +273,14 @@ def plan_columns(job, source: InputFiles, reserved: set[str]) -> Columns:
                                f"columns: {candidates}")
             if c in reserved:
                 raise JobError(f"job.keep_columns: {c!r} is also a column of generations.parquet")
-    return Columns(id_column, prompt, openai, sampling, keep, has_url=openai and "url" in names)
+    return Columns(id_column, prompt, openai, conversation, sampling, keep, has_url=openai and "url" in names)
+
+
+def is_conversation(kind: pa.DataType) -> bool:
+    """A list of structs with fields role and content: a conversation."""
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(kind.value_type):
+        return False
+    return all(kind.value_type.get_field_index(name) >= 0 for name in ("role", "content"))
 
 
 def check_ids(source: InputFiles, column: str | None) -> pa.DataType:
@@ -292,29 +308,52 @@ def check_ids(source: InputFiles, column: str | None) -> pa.DataType:
 
 def input_rows(source: InputFiles, columns: Columns, batch_size: int) -> Iterator[tuple[int, dict]]:
     """(row number, fields) of every input row, in order. Fields: "prompt" (bytes or None) or "messages"
-    (a conversation or None), "sampling" (the row's own values by SamplingParams field; None left out)
-    and, for an OpenAI batch, "url"."""
+    (a conversation, its messages without null fields, or None), "sampling" (the row's own values by
+    column or body field; nulls left out) and, for an OpenAI batch, "url"."""
     row = 0
     for batch in source.batches(columns.read(), batch_size):
         if columns.openai:
             body = batch.column("body")
-            fields = [{"messages": m} for m in pc.struct_field(body, "messages").to_pylist()]
-            sampling = pa.RecordBatch.from_struct_array(body).select(columns.sampling).to_pylist()
+            prompts = pc.struct_field(body, "messages")
+            sampling = pa.RecordBatch.from_struct_array(body).select(columns.sampling)
             urls = batch.column("url").to_pylist() if columns.has_url else [CHAT_URL] * batch.num_rows
-            for f, s, url in zip(fields, sampling, urls):
-                if f["messages"] is not None:
-                    f["messages"] = [{k: v for k, v in m.items() if v is not None} for m in f["messages"]]
-                f["sampling"] = {k: v for k, v in s.items() if v is not None}
-                if "max_completion_tokens" in f["sampling"]:  # OpenAI's newer name wins
-                    f["sampling"]["max_tokens"] = f["sampling"].pop("max_completion_tokens")
-                f["url"] = url
         else:
             prompts = batch.column(0)
             if pa.types.is_dictionary(prompts.type):
                 prompts = prompts.dictionary_decode()
-            sampling = batch.select(columns.sampling).to_pylist()
-            fields = [{"prompt": p, "sampling": {k: v for k, v in s.items() if v is not None}}
-                      for p, s in zip(prompts.cast(pa.binary()).to_pylist(), sampling)]
-        for f in fields:
+            sampling = batch.select(columns.sampling)
+            urls = [None] * batch.num_rows
+        if columns.conversation:
+            fields = [{"messages": None if m is None else [{k: v for k, v in message.items() if v is not None}
+                                                            for message in m]} for m in prompts.to_pylist()]
+        else:
+            fields = [{"prompt": p} for p in prompts.cast(pa.binary()).to_pylist()]
+        for f, values, url in zip(fields, sampling.to_pylist(), urls):
+            f["sampling"] = {k: v for k, v in values.items() if v is not None}
+            if columns.openai:
+                f["url"] = url
             yield row, f
             row += 1
+
+
+def openai_sampling(body: dict) -> dict:
+    """SamplingParams values from the sampling fields of an OpenAI chat-completions body: max_completion_tokens
+    (or max_tokens), logprobs (true/false) with top_logprobs, and the fields named as SamplingParams' (vLLM's
+    extensions: top_k, min_p, stop_token_ids, ...). ValueError naming a field that is neither."""
+    values = dict(body)
+    if "max_completion_tokens" in values:  # OpenAI's newer name wins
+        values["max_tokens"] = values.pop("max_completion_tokens")
+    top = values.pop("top_logprobs", None)
+    if "logprobs" in values:
+        if not isinstance(values["logprobs"], bool):
+            raise ValueError(f"logprobs must be true or false (top_logprobs gives how many), "
+                             f"got {values['logprobs']!r}")
+        values["logprobs"] = (top or 0) if values["logprobs"] else None
+    elif top is not None:
+        raise ValueError("top_logprobs needs logprobs: true")
+    unknown = sorted(set(values) - set(ROW_SAMPLING))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], ROW_SAMPLING + ["max_completion_tokens", "top_logprobs"], n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ValueError(f"body has unknown field {unknown[0]!r}{hint}")
+    return {k: v for k, v in values.items() if v is not None}

@@ -1,7 +1,9 @@
 """Parquet output with the project's metadata: a schema version and the resolved config.
 
 Schema versions: 1, the first; 2, summary.parquet's mean_contiguous_kv_utilization_pct renamed
-contiguous_kv_utilization_pct, with new columns in summary.parquet and steps.parquet (engine/stats.py).
+contiguous_kv_utilization_pct, with new columns in summary.parquet and steps.parquet (engine/stats.py);
+3, generations.parquet has a row per sample (sample_index) and the columns stop_reason, stop_token_id and,
+when asked for, the logprob columns (jobs/results.py).
 Readers of several runs (jobs/analyze.py) accept every version listed in SCHEMA_VERSIONS.
 
 Every file is written to a temporary name of its own beside its final path (hidden, with the writer's pid
@@ -22,8 +24,8 @@ from omegaconf import OmegaConf
 
 from jobs import JobError
 
-SCHEMA_VERSION = "2"
-SCHEMA_VERSIONS = ("1", "2")  # versions a reader of old runs understands
+SCHEMA_VERSION = "3"
+SCHEMA_VERSIONS = ("1", "2", "3")  # versions a reader of old runs understands
 META_VERSION, META_CONFIG = b"minipaged.schema_version", b"minipaged.config"
 
 

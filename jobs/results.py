@@ -2,9 +2,10 @@
 
 Parts. Finished rows are flushed, job.flush_every at a time (or once the oldest unsaved row is
 job.flush_interval_s old), to <run dir>/generations.parts/part-NNNNNN.parquet, each written atomically
-(jobs/parquet.py). A part row is one input row's result with its input row number (`row`); ids and carried
-input columns are not stored: the final file takes them from the input. Each part's metadata holds the
-run's config and the input's fingerprint (jobs/inputs.py).
+(jobs/parquet.py). A part row is the result of one sample of one input row, with its input row number
+(`row`) and `sample_index`; the samples of a row are always saved in the same part, so a row is saved
+whole or not at all. Ids and carried input columns are not stored: the final file takes them from the
+input. Each part's metadata holds the run's config and the input's fingerprint (jobs/inputs.py).
 
 Resume. A run started again in the same directory checks each part's settings and input fingerprint
 against its own, then reads the parts' `row` columns into `saved`: one int32 per input row, the index of
@@ -14,14 +15,16 @@ found in two parts keeps the first.
 Finalize. The final file is written in input order, one batch of input rows at a time: the input is read
 again (id and carried columns) in batches, saved[lo:hi] names the parts that hold rows [lo, hi), each of
 them is read (a small cache keeps the last few, since consecutive batches mostly share parts), its rows in
-[lo, hi) are taken and sorted by row, and the batch goes to the output with the input's columns beside it.
-Memory: one batch of results and the cached parts, whatever the number of rows. The job admits rows in
+[lo, hi) are taken and sorted by (row, sample_index), and the batch goes to the output with the input's
+columns beside it (repeated for each sample). Memory: one batch of results and the cached parts, whatever
+the number of rows. The job admits rows in
 input order into a bounded window, so rows finish nearly in order and a part spans a narrow range of rows;
 a part holding a straggler is read once more for each batch it has rows in. The output is written to a
 temporary file and renamed: generations.parquet (job.output_format=parquet) or generations.jsonl in the
 OpenAI batch output format (job.output_format=openai), one line per request as `vllm run-batch` writes.
 """
 import functools
+import itertools
 import json
 import logging
 import time
@@ -45,19 +48,30 @@ CACHED_PARTS = 8
 # Left out: model.device (auto/cuda name the same device), cache.*, scheduler.* (placement and batching
 # do not change greedy outputs, and a smaller pool is a natural fix to retry with), job.flush_*, and what
 # only shapes the final file (job.keep_columns, job.output_format).
-OUTPUT_SETTINGS = ("model", "sampling", "job.input", "job.prompt_column", "job.id_column")
+OUTPUT_SETTINGS = ("model", "sampling", "job.input", "job.prompt_column", "job.id_column", "job.chat_template",
+                   "job.chat_template_kwargs")
 IGNORED_SETTINGS = ("model.device",)
 
 RESULT_FIELDS = [
-    ("prompt", pa.string()), ("output_text", pa.string()), ("output_token_ids", pa.list_(pa.int32())),
-    ("finish_reason", pa.string()), ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("error", pa.string()),
+    ("sample_index", pa.int32()), ("prompt", pa.string()), ("output_text", pa.string()),
+    ("output_token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()), ("stop_reason", pa.string()),
+    ("stop_token_id", pa.int32()), ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32()), ("error", pa.string()),
 ]
-PART_SCHEMA = pa.schema([("row", pa.int64()), *RESULT_FIELDS])
+TOP_LOGPROBS = pa.list_(pa.list_(pa.struct([("token_id", pa.int32()), ("logprob", pa.float32())])))
+LOGPROB_FIELDS = {  # the columns of SamplingParams.logprobs and prompt_logprobs, present only when asked for
+    "logprobs": [("output_logprobs", pa.list_(pa.float32())), ("top_logprobs", TOP_LOGPROBS)],
+    "prompt_logprobs": [("prompt_logprobs", pa.list_(pa.float32())), ("prompt_top_logprobs", TOP_LOGPROBS)],
+}
+PART_SCHEMA = pa.schema([("row", pa.int64()), *RESULT_FIELDS, *sum(LOGPROB_FIELDS.values(), [])])
 
 
-def generations_schema(id_type: pa.DataType, kept: list[pa.Field] = ()) -> pa.Schema:
-    """generations.parquet: id, the result columns, then the input columns carried along."""
-    return pa.schema([("id", id_type), *RESULT_FIELDS, *kept])
+def generations_schema(id_type: pa.DataType, kept: list[pa.Field] = (), logprobs: bool = False,
+                       prompt_logprobs: bool = False) -> pa.Schema:
+    """generations.parquet: id, the result columns (the logprob ones when asked for), then the input
+    columns carried along."""
+    asked = [*(LOGPROB_FIELDS["logprobs"] if logprobs else []),
+             *(LOGPROB_FIELDS["prompt_logprobs"] if prompt_logprobs else [])]
+    return pa.schema([("id", id_type), *RESULT_FIELDS, *asked, *kept])
 
 
 def _flatten(tree, prefix: str = "") -> dict:
@@ -99,14 +113,17 @@ class ResultWriter:
         current = output_settings(_plain(self.cfg)) if self.cfg is not None else None
         for index, part in enumerate(self.parts):
             try:
-                metadata = pq.read_schema(part).metadata or {}
+                schema = pq.read_schema(part)
                 rows = pq.read_table(part, columns=["row"])["row"].to_numpy()
             except (pa.ArrowInvalid, OSError) as err:
                 raise JobError(f"cannot read {part} ({err}); delete it to compute its rows again") from None
             except KeyError:
-                raise JobError(f"{part} has no row numbers (written by an older MiniPaged): use a new "
-                               f"hydra.run.dir") from None
-            self._check_same_run(part, metadata, current)
+                schema = None
+            lacking = [name for name in PART_SCHEMA.names if schema is None or name not in schema.names]
+            if lacking:
+                raise JobError(f"{part} has no column {lacking[0]} (written by an older MiniPaged): use a new "
+                               f"hydra.run.dir")
+            self._check_same_run(part, schema.metadata or {}, current)
             if len(rows) and (rows.min() < 0 or rows.max() >= len(self.saved)):
                 raise JobError(f"{part} holds row {rows.max()}, the input has {len(self.saved)} rows: not the "
                                f"same input; use a new hydra.run.dir")
@@ -129,11 +146,12 @@ class ResultWriter:
                 raise JobError(f"job.input: {change} since the rows in {run_dir} were generated from it; resuming "
                                f"would mix two inputs: restore it or use a new hydra.run.dir")
 
-    def add(self, row: dict) -> None:
-        """Buffer one result row (PART_SCHEMA's fields); flush when flush_every or flush_interval_s says so."""
+    def add(self, *rows: dict) -> None:
+        """Buffer the result rows of one input row (PART_SCHEMA's fields, one per sample), then flush when
+        flush_every or flush_interval_s says so: the samples of a row are saved in the same part."""
         if not self.buffer:
             self._oldest = time.monotonic()
-        self.buffer.append(row)
+        self.buffer.extend(rows)
         if len(self.buffer) >= self.flush_every or (
                 self.flush_interval_s and time.monotonic() - self._oldest >= self.flush_interval_s):
             self.flush()
@@ -160,9 +178,10 @@ class ResultWriter:
         """Input rows with no saved result (after a flush)."""
         return np.flatnonzero(self.saved < 0)
 
-    def results(self, input_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[int, pa.Table]]:
-        """(first row, table) per input batch, in input order: the batch's columns (id, carried columns)
-        then the result columns of its rows, from the parts. JobError if a row has no result."""
+    def results(self, input_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
+        """A table per input batch, in input order, one row per input row and sample: its input row number
+        (`row`), the batch's columns (id, carried columns, repeated for each sample) and the result
+        columns, from the parts. JobError if a row has no result."""
         self.flush()
         missing = self.missing()
         if missing.size:
@@ -176,8 +195,10 @@ class ResultWriter:
                 lo = hi
                 break
             results = self._rows(lo, hi, read)
-            yield lo, pa.table({"id": batch.column("id"), **{name: results[name] for name, _ in RESULT_FIELDS},
-                                **{c: batch.column(c) for c in batch.schema.names if c != "id"}})
+            inputs = batch.take(pa.array(results["row"].to_numpy() - lo))
+            yield pa.table({"row": results["row"], "id": inputs.column("id"),
+                            **{name: results[name] for name in PART_SCHEMA.names if name != "row"},
+                            **{c: inputs.column(c) for c in batch.schema.names if c != "id"}})
             lo = hi
         if lo != len(self.saved):
             raise JobError(f"job.input changed during the run: it no longer has the {len(self.saved)} rows it had")
@@ -191,39 +212,47 @@ class ResultWriter:
             rows = part["row"].to_numpy()
             take = np.flatnonzero((rows >= lo) & (rows < hi))
             take = take[where[rows[take] - lo] == index]
-            _, first = np.unique(rows[take], return_index=True)  # a row twice in one part: the first
+            samples = np.stack([rows[take], part["sample_index"].to_numpy()[take]], axis=1)
+            _, first = np.unique(samples, axis=0, return_index=True)  # a sample twice in one part: the first
             pieces.append(part.take(take[first]))
         table = pa.concat_tables(pieces) if pieces else PART_SCHEMA.empty_table()
-        return table.take(np.argsort(table["row"].to_numpy(), kind="stable"))
+        return table.take(np.lexsort((table["sample_index"].to_numpy(), table["row"].to_numpy())))
 
     def finalize(self, input_batches: Iterator[pa.RecordBatch], path: Path, schema: pa.Schema,
                  output_format: str = "parquet", model: str = "") -> None:
-        """Write the final file at `path` (atomically): one row per input row, in input order."""
+        """Write the final file at `path` (atomically), in input order: one row per input row and sample
+        (Parquet), or one line per input row with a choice per sample (OpenAI)."""
         with atomic_path(path) as tmp:
             if output_format == "openai":
                 created = int(time.time())
                 with open(tmp, "w", encoding="utf-8") as out:
-                    for lo, table in self.results(input_batches):
-                        out.writelines(json.dumps(openai_line(lo + n, row, model, created)) + "\n"
-                                       for n, row in enumerate(table.to_pylist()))
+                    for table in self.results(input_batches):
+                        out.writelines(json.dumps(openai_line(row, list(samples), model, created)) + "\n"
+                                       for row, samples in itertools.groupby(table.to_pylist(), lambda r: r["row"]))
             else:
                 with pq.ParquetWriter(tmp, schema_with_metadata(schema, self.cfg)) as out:
-                    for _, table in self.results(input_batches):
-                        out.write_table(table.cast(schema))
+                    for table in self.results(input_batches):
+                        out.write_table(table.select(schema.names).cast(schema))
 
 
-def openai_line(row_number: int, row: dict, model: str, created: int) -> dict:
-    """One line of an OpenAI batch output file (the shape `vllm run-batch` writes), with ids made from the
-    input row number."""
-    head = {"id": f"minipaged-{row_number}", "custom_id": str(row["id"])}
+def openai_line(row_number: int, samples: list[dict], model: str, created: int) -> dict:
+    """One line of an OpenAI batch output file (the shape `vllm run-batch` writes) from the result rows of
+    one input row (a choice per sample), with ids made from the input row number."""
+    first = samples[0]
+    head = {"id": f"minipaged-{row_number}", "custom_id": str(first["id"])}
     request_id = f"minipaged-batch-{row_number}"
-    if row["finish_reason"] == "error":
-        return {**head, "response": {"status_code": 400, "request_id": request_id, "body": None}, "error": row["error"]}
-    usage = {"prompt_tokens": row["prompt_tokens"], "completion_tokens": row["output_tokens"],
-             "total_tokens": row["prompt_tokens"] + row["output_tokens"]}
+    if first["finish_reason"] == "error":
+        return {**head, "response": {"status_code": 400, "request_id": request_id, "body": None},
+                "error": first["error"]}
+    completion = sum(s["output_tokens"] for s in samples)
+    usage = {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
+             "total_tokens": first["prompt_tokens"] + completion}
+    choices = [{"index": s["sample_index"], "message": {"role": "assistant", "content": s["output_text"]},
+                "logprobs": None, "finish_reason": s["finish_reason"],
+                "stop_reason": s["stop_token_id"] if s["stop_reason"] is None else s["stop_reason"]}
+               for s in samples]
     body = {"id": f"chatcmpl-{row_number}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": row["output_text"]},
-                         "logprobs": None, "finish_reason": row["finish_reason"]}], "usage": usage}
+            "choices": choices, "usage": usage}
     return {**head, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 

@@ -16,7 +16,8 @@ from engine.config import ConfigError, validate
 from engine.engine import LLMEngine, RequestError, resolve_device
 from jobs import JobError
 from jobs.common import run_lock
-from jobs.generate import default_sampling, final_batches, generate_job, open_input, row_sampling
+from engine.sequence import SamplingParams
+from jobs.generate import final_batches, generate_job, open_input, row_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}  # one thread: the tiny model gains nothing from more
@@ -81,7 +82,7 @@ def test_bad_ids(tmp_path, ids, message):
 
 def test_a_prompt_column_that_is_not_text(tmp_path):
     path = write(tmp_path / "in.parquet", id=[1, 2], prompt=[3, 4])
-    with pytest.raises(JobError, match=r"column 'prompt' .* holds int64, not strings"):
+    with pytest.raises(JobError, match=r"column 'prompt' .* holds int64, neither strings nor conversations"):
         read_prompts(job(path))
 
 
@@ -275,8 +276,7 @@ def test_a_write_that_fails_half_way_keeps_the_finished_rows(make_config, tmp_pa
 ])
 def test_bad_per_row_sampling_values(row, message):
     with pytest.raises(RequestError) as err:
-        row_sampling(default_sampling(SimpleNamespace(sampling=SimpleNamespace(
-            temperature=0.0, top_p=1.0, top_k=-1, max_tokens=4, ignore_eos=False, seed=0, stop_token_ids=[]))), row)
+        row_sampling(SamplingParams(max_tokens=4), row)
     assert str(err.value) == message
 
 

@@ -57,9 +57,9 @@ def test_every_key_has_a_description(schema):
                             "job=generate: name, input,"),
     (["model.path.x=3"], "unknown config key 'model.path.x': model.path is a value, not a group of keys"),
     (["+cache.block_size=3"], "cache.block_size is a known key: set it without the +, as cache.block_size=..."),
-    (["sampling.max_tokens=2.5"], "sampling.max_tokens must be a whole number, got 2.5"),
+    (["sampling.max_tokens=2.5"], "sampling.max_tokens must be a whole number or null, got 2.5"),
     (["cache.kv_budget_gb=lots"], "cache.kv_budget_gb must be a number or null, got 'lots'"),
-    (["sampling.ignore_eos=maybe"], "sampling.ignore_eos must be true or false, got 'maybe'"),
+    (["sampling.ignore_eos=maybe"], "sampling.ignore_eos must be true or false or null, got 'maybe'"),
     (["--multirun", "cache.block_size=8,abc"], "cache.block_size must be a whole number, got 'abc'"),
     (["model=qwen3"], "model: no option 'qwen3'; options: qwen3-0.6b, tiny"),
     (["job=generate_schema"], "job: no option 'generate_schema'; options: analyze, bench, generate"),
@@ -95,7 +95,7 @@ def test_errors_print_once_on_one_line(qwen3_checkpoint, tmp_path):
     cases = {
         "unknown key": (["cache.blok_size=3"], "unknown config key 'cache.blok_size'; did you mean cache.block_size?"),
         "appended unknown key": (["+cache.blok_size=3"], "did you mean cache.block_size?"),
-        "decimal for an int": (["sampling.max_tokens=2.5"], "sampling.max_tokens must be a whole number, got 2.5"),
+        "decimal for an int": (["sampling.max_tokens=2.5"], "sampling.max_tokens must be a whole number or null, got 2.5"),
         "infinite temperature": (["sampling.temperature=inf"], "sampling.temperature must be a finite number, got inf"),
         "corrupt weights": ([f"model.path={broken}"], f"model.path: cannot read the weights in {broken}/model.safetensors"),
         "hub id offline": (["model.path=test-org/absent"], "model.path 'test-org/absent' is neither a directory nor in "

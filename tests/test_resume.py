@@ -26,7 +26,7 @@ FINGERPRINT = [["in.parquet", 10, "aa"]]
 
 
 def row(i, text="out"):
-    return {"row": i, "prompt": f"p{i}", "output_text": text, "output_token_ids": [1, 2], "finish_reason": "length",
+    return {"row": i, "sample_index": 0, "prompt": f"p{i}", "output_text": text, "output_token_ids": [1, 2], "finish_reason": "length",
             "prompt_tokens": 2, "output_tokens": 2, "error": None}
 
 

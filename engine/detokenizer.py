@@ -1,0 +1,51 @@
+"""Incremental detokenization and stop strings, as vLLM's incremental detokenizer does it.
+
+A sequence with stop strings turns its output tokens into text one token at a time, without decoding the
+whole output again each step: it keeps two offsets into its tokens, prefix_offset <= read_offset, and
+decodes only the window from prefix_offset. The text of tokens[prefix_offset:read_offset] (the tokens of
+the last emission) was emitted already; decoding tokens[prefix_offset:] and taking what it adds to that
+is the new text, so that tokenizers whose pieces decode differently at the start of a text
+(SentencePiece's leading space) decode the new tokens in context. New text that ends in U+FFFD (an
+incomplete UTF-8 sequence: a byte-level token holding part of a character) is held back until the
+tokens after it complete the character; the offsets move only when text is emitted.
+
+Invariant: `text` == tokenizer.decode(tokens[:read_offset], skip_special_tokens=True). The window holds
+the tokens of the last emission and those since; it grows only over a run of bytes that make no valid
+character (garbage from a random model), until a character completes, as in vLLM.
+"""
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> int:
+        """Append one token; returns how many characters of text it completed (0 while held back)."""
+        self.tokens.append(token_id)
+        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
+        window = self._decode(self.tokens[self.prefix_offset:])
+        if len(window) <= len(prefix) or window.endswith(REPLACEMENT_CHAR):
+            return 0
+        new = window[len(prefix):]
+        self.text += new
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return len(new)
+
+    def find_stop(self, stop: tuple[str, ...], new_chars: int) -> tuple[str, int] | None:
+        """The stop string that occurs first in the text, among occurrences that end in the last
+        `new_chars` characters (earlier ones were looked for when their text came), and where it starts."""
+        found = None
+        for s in stop:
+            start = self.text.find(s, max(len(self.text) - new_chars - len(s) + 1, 0))
+            if start >= 0 and (found is None or start < found[1]):
+                found = (s, start)
+        return found

@@ -1,0 +1,69 @@
+"""A checkpoint's generation_config.json: its end-of-sequence ids and its sampling defaults.
+
+The stop ids of a model are the union of config.json's and generation_config.json's eos_token_id (each
+an int or a list; Qwen3's config.json names <|im_end|>, its generation_config.json <|endoftext|> too).
+Sampling settings the user leaves unset (null sampling.* keys) take generation_config.json's values, as
+vLLM does by default (its generation_config="auto"), else SamplingParams' defaults; the log names where
+each one came from. sampling.use_generation_config=false uses only the config and the defaults.
+"""
+import json
+import logging
+from pathlib import Path
+
+from engine.config import ConfigError, set_sampling
+from engine.sequence import SamplingParams
+
+log = logging.getLogger("minipaged")
+FILE = "generation_config.json"
+# generation_config.json key -> SamplingParams field: the keys vLLM takes (get_diff_sampling_param)
+SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def read_generation_config(path: Path | None) -> dict:
+    """The checkpoint's generation_config.json as a dict; {} without a checkpoint or without the file."""
+    file = path / FILE if path else None
+    if file is None or not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"model.path: cannot read {file} ({err})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model.path: {file} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def eos_ids(value) -> list[int]:
+    """An eos_token_id entry (absent, an int or a list) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def stop_ids(config_eos: list[int], generation: dict) -> frozenset[int]:
+    """The union of config.json's and generation_config.json's end-of-sequence ids, logged."""
+    ids = frozenset(config_eos) | frozenset(eos_ids(generation.get("eos_token_id")))
+    log.info("end of sequence: token ids %s (config.json %s, %s %s)", sorted(ids), config_eos, FILE,
+             eos_ids(generation.get("eos_token_id")))
+    return ids
+
+
+def resolve_sampling(sampling_cfg, generation: dict) -> SamplingParams:
+    """The run's SamplingParams: each field from the sampling.* key when set (not null), else from
+    generation_config.json (when sampling.use_generation_config), else SamplingParams' default; logged."""
+    from_config = set_sampling(sampling_cfg)
+    from_checkpoint = {}
+    if sampling_cfg.use_generation_config:
+        from_checkpoint = {field: generation[key] for key, field in SAMPLING_KEYS.items()
+                           if generation.get(key) is not None and field not in from_config}
+    try:
+        params = SamplingParams(**from_config, **from_checkpoint)
+    except ValueError as err:
+        raise ConfigError(f"sampling: {err} (the config's {from_config} with {FILE}'s {from_checkpoint})") from None
+    log.info("sampling: %s from %s; %s from the config; SamplingParams' defaults for the rest",
+             _listed(from_checkpoint), FILE if sampling_cfg.use_generation_config else f"{FILE} (sampling.use_generation_config=false)",
+             _listed(from_config))
+    return params
+
+
+def _listed(values: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in values.items()) or "nothing"

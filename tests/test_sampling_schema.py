@@ -1,0 +1,135 @@
+"""One sampling schema: SamplingParams' fields are the sampling.* config keys, the per-row input columns and the
+OpenAI body fields, checked by SamplingParams itself; a bad value stops the job (a setting) or marks its row an
+error naming the field (a row) while the other rows complete. And the logprob fields' way to the outputs."""
+import dataclasses
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.config import ConfigError, SamplingConfig, key_help, validate
+from engine.engine import RequestError
+from engine.llm import Logprob, output_logprobs, prompt_logprobs
+from engine.sequence import SamplingParams, Sequence
+from jobs.generate import flat_logprobs, generate_job, row_sampling
+from jobs.inputs import ROW_SAMPLING, openai_sampling
+from jobs.results import generations_schema
+
+FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def test_the_config_keys_and_the_row_columns_are_the_fields(make_config):
+    assert [f.name for f in dataclasses.fields(SamplingConfig)] == FIELDS + ["use_generation_config"]
+    assert ROW_SAMPLING == FIELDS
+    cfg = make_config()
+    assert all(cfg.sampling[name] is None for name in FIELDS)  # unset: generation_config.json, else the default
+    assert key_help(SamplingConfig)["top_k"] == ("sample from the k most likely tokens; <= 0: off "
+                                                 "(null: generation_config.json's value, else -1)")
+    assert key_help(SamplingConfig)["stop"].endswith("(null: [])")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sampling.n=0", "sampling.n must be >= 1, got 0"),
+    ("sampling.presence_penalty=3", r"sampling.presence_penalty must be in \[-2, 2\], got 3.0"),
+    ("sampling.min_tokens=9", r"sampling.min_tokens must be in \[0, max_tokens=64\], got 9"),
+    ("sampling.stop=['']", r"sampling.stop must not hold an empty string, got \(''\,\)"),
+    ("sampling.logprobs=-1", "sampling.logprobs must be >= 0 or null, got -1"),
+    ("job.chat_template_kwargs=5", "job.chat_template_kwargs must be a mapping such as {enable_thinking: false}"),
+])
+def test_impossible_sampling_settings(make_config, override, message):
+    extra = ["sampling.max_tokens=8"] if "min_tokens" in override else []
+    if extra:
+        message = message.replace("64", "8")
+    with pytest.raises(ConfigError, match=message):
+        validate(make_config(override, *extra))
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"temperature": "hot"}, "temperature 'hot' is not a valid float"),
+    ({"n": 1.5}, "n 1.5 is not a valid int"),
+    ({"n": 0}, "n must be >= 1, got 0"),
+    ({"ignore_eos": 1}, "ignore_eos 1 is not a valid bool"),
+    ({"stop": [1, 2]}, "stop must be a list of strings, got [1, 2]"),
+    ({"stop": 7}, "stop must be a list of strings, got 7"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids, got ['a']"),
+    ({"min_tokens": 5}, "min_tokens must be in [0, max_tokens=4], got 5"),
+    ({"frequency_penalty": float("inf")}, "frequency_penalty inf is not a valid float"),
+])
+def test_bad_per_row_values_name_the_field(values, message):
+    with pytest.raises(RequestError) as err:
+        row_sampling(SamplingParams(max_tokens=4), values)
+    assert str(err.value) == message
+
+
+def test_per_row_values_are_converted():
+    row = row_sampling(SamplingParams(), {"stop": "end", "n": 2.0, "temperature": 1, "stop_token_ids": [3.0]})
+    assert row == SamplingParams(stop=("end",), n=2, temperature=1.0, stop_token_ids=(3,))
+    assert openai_sampling({"max_completion_tokens": 5, "max_tokens": 9, "logprobs": True, "top_logprobs": 2}) == \
+        {"max_tokens": 5, "logprobs": 2}
+    assert openai_sampling({"logprobs": False, "top_k": 4}) == {"top_k": 4}
+
+
+def test_bad_rows_become_error_rows_naming_the_field(make_config, tmp_path, one_thread):
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "prompt": ["ok", "n", "vocab", "stop", "fine"],
+        "n": [None, 0, None, None, 2],
+        "logprobs": [None, None, 1000, None, None],
+        "stop": pa.array([None, None, None, [1, 2], None], pa.list_(pa.int64())),  # a list, but not of strings
+    }), path)
+    (tmp_path / "run").mkdir()
+    generate_job(make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=128",
+                             "sampling.max_tokens=3", "sampling.ignore_eos=true"), tmp_path / "run")
+    rows = pq.read_table(tmp_path / "run" / "generations.parquet").to_pylist()
+    errors = {r["prompt"]: r["error"] for r in rows if r["finish_reason"] == "error"}
+    assert errors == {"n": "n must be >= 1, got 0", "vocab": "logprobs must be <= the vocabulary size 257, got 1000",
+                      "stop": "stop must be a list of strings, got [1, 2]"}
+    assert [(r["prompt"], r["sample_index"], r["output_tokens"]) for r in rows if not r["error"]] == \
+        [("ok", 0, 3), ("fine", 0, 3), ("fine", 1, 3)]
+    names = pq.read_schema(tmp_path / "run" / "generations.parquet").names
+    assert {"output_logprobs", "top_logprobs"} <= set(names) and "prompt_logprobs" not in names  # asked by a column
+
+
+def test_openai_bodies_unknown_fields_and_n(make_config, chat_checkpoint, tmp_path, one_thread):
+    messages = [{"role": "user", "content": "hi"}]
+    lines = [{"custom_id": "a", "body": {"messages": messages, "n": 2, "temperature": 1.0, "max_tokens": 3}},
+             {"custom_id": "b", "body": {"messages": messages, "temprature": 1.0}},
+             {"custom_id": "c", "body": {"messages": messages, "top_logprobs": 2}},
+             {"custom_id": "d", "body": {"messages": [{"content": "who?"}], "max_tokens": 3}}]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "run").mkdir()
+    generate_job(make_config(f"job.input={path}", f"model.path={chat_checkpoint}", "model.device=cpu",
+                             "model.max_model_len=128", "sampling.ignore_eos=true", "job.output_format=openai"),
+                 tmp_path / "run")
+    results = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    choices = results[0]["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and results[0]["response"]["body"]["usage"]["completion_tokens"] == 6
+    assert [r["error"] for r in results[1:]] == ["body has unknown field 'temprature'; did you mean temperature?",
+                                                 "top_logprobs needs logprobs: true", "messages[0] has no role"]
+
+
+def test_logprobs_reach_the_api_and_the_columns():
+    """What the sampler fills in on a Sequence, as CompletionOutput.logprobs / RequestOutput.prompt_logprobs
+    (vLLM's shape: {token: Logprob(logprob, rank)} per position) and as the output columns."""
+    seq = Sequence(0, "r", [4, 5, 6], SamplingParams(logprobs=2, prompt_logprobs=1), 10, output_token_ids=[7, 8])
+    seq.output_logprobs, seq.top_logprobs = [-0.1, -2.0], [[(7, -0.1), (9, -1.5)], [(3, -0.5), (9, -1.0)]]
+    seq.prompt_logprobs, seq.prompt_top_logprobs = [None, -1.0, -3.0], [None, [(5, -1.0)], [(2, -0.2)]]
+    positions = output_logprobs(seq)
+    assert positions == [{7: Logprob(-0.1, 1), 9: Logprob(-1.5, 2)},
+                         {8: Logprob(-2.0), 3: Logprob(-0.5, 1), 9: Logprob(-1.0, 2)}]
+    assert flat_logprobs([7, 8], positions) == ([-0.1, -2.0], [
+        [{"token_id": 7, "logprob": -0.1}, {"token_id": 9, "logprob": -1.5}],
+        [{"token_id": 3, "logprob": -0.5}, {"token_id": 9, "logprob": -1.0}]])
+    prompt = prompt_logprobs(seq)
+    assert prompt == [None, {5: Logprob(-1.0, 1)}, {6: Logprob(-3.0), 2: Logprob(-0.2, 1)}]
+    assert flat_logprobs([4, 5, 6], prompt) == ([None, -1.0, -3.0], [None, [{"token_id": 5, "logprob": -1.0}],
+                                                                     [{"token_id": 2, "logprob": -0.2}]])
+    zero = Sequence(1, "r", [4], SamplingParams(logprobs=0), 5, output_token_ids=[7])
+    zero.output_logprobs = [-0.3]
+    assert flat_logprobs([7], output_logprobs(zero)) == ([-0.3], None)  # k = 0: no top_logprobs
+    schema = generations_schema(pa.int64(), logprobs=True, prompt_logprobs=True)
+    assert schema.field("top_logprobs").type == pa.list_(pa.list_(pa.struct([("token_id", pa.int32()),
+                                                                              ("logprob", pa.float32())])))
+    assert "output_logprobs" not in generations_schema(pa.int64()).names
