@@ -174,10 +174,10 @@ def finish(prompts, run_dir, *extra):
     return result.stdout + result.stderr
 
 
-def check_complete(run_dir: Path, reference: list[dict] | None = None) -> list[dict]:
+def check_complete(run_dir: Path, reference: list[dict] | None = None, max_tokens: int = 12) -> list[dict]:
     rows = pq.read_table(run_dir / "generations.parquet").to_pylist()
     assert [r["id"] for r in rows] == [f"r{i:03d}" for i in range(NUM_ROWS)]  # every id exactly once, in order
-    assert all(r["finish_reason"] == "length" and r["output_tokens"] == 12 for r in rows)
+    assert all(r["finish_reason"] == "length" and r["output_tokens"] == max_tokens for r in rows)
     if reference is not None:
         assert rows == reference
     return rows
@@ -224,7 +224,7 @@ def test_sigkill_then_resume(prompts, tmp_path):
 def test_sigint_and_sigterm_save_the_finished_rows_and_stop(prompts, tmp_path):
     run_dir = tmp_path / "run"
     parts_seen = 0
-    longer = "sampling.max_tokens=60"  # the job must still be running when the signal comes, on a busy machine too
+    longer, max_tokens = "sampling.max_tokens=60", 60  # the job must still run when the signal comes, even on a busy machine
     for sig, code, name in ((signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")):
         proc = start(prompts, run_dir, longer)
         wait_for_parts(run_dir, parts_seen + 1, proc)
@@ -240,4 +240,4 @@ def test_sigint_and_sigterm_save_the_finished_rows_and_stop(prompts, tmp_path):
         parts_seen = len(parts)
     log = finish(prompts, run_dir, longer)
     assert f"resuming: {len(ids)} of {NUM_ROWS} rows already written" in log
-    check_complete(run_dir)
+    check_complete(run_dir, max_tokens=max_tokens)
