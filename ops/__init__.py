@@ -100,9 +100,14 @@ def fused_add_rms_norm(x, residual, weight, eps, backend=None):
     return _pick_fused(backend, x).fused_add_rms_norm(x, residual, weight, eps)
 
 
+def rope(q, k, cos, sin, positions, backend=None):
+    """q [T, Hq, D], k [T, Hkv, D]: RoPE with the float32 tables cos/sin [max_pos, D] at positions [T]
+    -> (q', k') (new contiguous tensors)."""
+    return _pick_fused(backend, q).rope(q, k, cos, sin, positions)
+
+
 def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions, backend=None):
-    """q [T, Hq, D], k [T, Hkv, D]: per-head RMSNorm over D, then RoPE with the float32 tables
-    cos/sin [max_pos, D] at positions [T] -> (q', k') (new contiguous tensors)."""
+    """rope of the per-head RMSNorm over D of q and k (weights q_weight, k_weight [D])."""
     return _pick_fused(backend, q).qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
 
