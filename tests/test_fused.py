@@ -180,12 +180,11 @@ def test_silu_and_mul(gen, backend, dtype, T, inter):
 # --- the model with the Triton backend -----------------------------------------------------
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
 def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch, qk_norm):
-    """A tiny decoder's forward (prefill) with the fused ops on Triton vs on torch (float32): Qwen3's
-    QK-norm, or Llama's llama3-scaled RoPE alone."""
+    """A tiny decoder's forward (prefill) with every op on Triton vs on torch (float32): Qwen3's QK-norm,
+    or Llama's llama3-scaled RoPE alone."""
     from engine.attention import AttentionMetadata, PrefillMetadata
     from engine.kv_cache import PagedKVCache
     from engine.models.decoder import DecoderArch, DecoderForCausalLM
-    from ops import fused
 
     rope = Rope(1e6) if qk_norm else Rope(5e5, "llama3", 8.0, 1.0, 4.0, 32)
     arch = DecoderArch(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
@@ -208,7 +207,7 @@ def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch, qk_no
         torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE)))
     outs = {}
     for backend in BACKENDS:
-        monkeypatch.setattr(ops, "_pick_fused", lambda _, __, b=backend: fused if b == "triton" else ops.fused_reference)
+        monkeypatch.setattr(ops, "_use_triton", lambda _, __, b=backend: b == "triton")
         cache = PagedKVCache(model.kv_cache_spec, 4, block_size, torch.float32, torch.device(DEVICE))
         with torch.no_grad():
             outs[backend] = model(input_ids, positions, cache, meta)
