@@ -110,7 +110,8 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
     num_chunks / num_splits: force the partition counts of the prefix / suffix passes (tests,
     benchmarks); None picks them from shapes."""
     if group_prefix_lens.shape[0] == 0:  # no groups (a shape): plain decode, at no extra cost
-        return paged_attention.paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=num_splits)
+        return paged_attention.paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                      num_splits=num_splits)
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     out = torch.empty_like(q)

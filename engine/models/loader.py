@@ -163,7 +163,9 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
                     if target not in params:
                         raise ConfigError(f"model.path: {file} holds {name}, which {type(model).__name__} as "
                                           f"config.json describes it has no parameter for")
-                    param = params[target] if shard is None else modules[target.rpartition(".")[0]].shard(params[target], shard)
+                    param = params[target]
+                    if shard is not None:
+                        param = modules[target.rpartition(".")[0]].shard(param, shard)
                     tensor = f.get_tensor(name)
                     if param.shape != tensor.shape:
                         raise ConfigError(f"model.path: {file} holds {name} of shape {tuple(tensor.shape)}, which "
