@@ -147,6 +147,8 @@ class DecoderForCausalLM(nn.Module):
             raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         if config.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (only 'silu')")
+        if config.get("use_sliding_window"):  # Qwen2/Qwen3 configs have the switch; the released models leave it off
+            raise ConfigError(f"{where}: use_sliding_window is not supported (the attention here sees every token)")
         return DecoderArch(
             vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
