@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ops  # noqa: E402
 from benchmarks.ops import bench  # noqa: E402
 from benchmarks.profile_decode import COPY_BYTES_PER_S  # noqa: E402
-from ops import cascade, triton_ops  # noqa: E402
+from ops import cascade, paged_attention  # noqa: E402
 
 HQ, HKV, D, BS, PREFIX = 16, 8, 128, 16, 2048
 DT = torch.bfloat16
@@ -76,10 +76,10 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
     suffix_tokens = total_tokens - batch * PREFIX
     plain_bytes = total_tokens * per_token + 2 * batch * HQ * D * ESZ
     cascade_bytes = (num_groups * PREFIX + suffix_tokens) * per_token + 2 * batch * HQ * D * ESZ
-    block_q = triton_ops.query_tile(triton_ops.prefill_cfg(x["q"], x["key_cache"]), HQ // HKV, None, True)[1]
+    block_q = paged_attention.query_tile(paged_attention.prefill_cfg(x["q"], x["key_cache"]), HQ // HKV, None, True)[1]
     max_ctx = x["block_tables"].shape[1] * BS
     chunks = num_chunks or cascade.prefix_num_chunks(batch, HKV, block_q, max_ctx, x["q"].device)
-    splits = triton_ops.decode_num_splits(batch, HKV, max_ctx, x["q"].device)
+    splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, x["q"].device)
     partial_bytes = 2 * batch * HQ * (chunks + splits) * D * 4  # written, then read by the merge
     t_plain, t_cascade = bench(plain, graph=True), bench(cascaded, graph=True)
     pct = lambda nbytes, ms: 100 * nbytes / (ms * 1e-3) / COPY_BYTES_PER_S  # noqa: E731

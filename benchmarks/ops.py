@@ -25,7 +25,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ops import triton_ops  # noqa: E402
+from ops import paged_attention  # noqa: E402
 
 HQ, HKV, D = 16, 8, 128
 DT = torch.bfloat16
@@ -93,7 +93,7 @@ def decode_case(B, ctx, bs, flat_k, flat_v, num_splits=None):
     q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
     seq_lens = torch.full((B,), ctx, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(D)
-    return lambda: triton_ops.paged_attention_decode(q, kc, vc, bt, seq_lens, scale, num_splits=num_splits)
+    return lambda: paged_attention.paged_attention_decode(q, kc, vc, bt, seq_lens, scale, num_splits=num_splits)
 
 
 def decode_bytes(B, ctx):
@@ -135,7 +135,7 @@ def run_decode(copy_gbs, batches, contexts, block_sizes):
             torch.cuda.empty_cache()
             for bs in block_sizes:
                 fn = decode_case(B, ctx, bs, flat_k, flat_v)
-                splits = triton_ops.decode_num_splits(B, HKV, ctx, torch.device("cuda"))
+                splits = paged_attention.decode_num_splits(B, HKV, ctx, torch.device("cuda"))
                 ms = bench(fn, graph=True)
                 gbs = nbytes / ms / 1e6
                 s_us = f"{sdpa_ms * 1e3:.1f}" if sdpa_ms else "n/a"
@@ -163,7 +163,7 @@ def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
         bt = torch.randperm(B * M, device="cuda").to(torch.int32).view(B, M)
         q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
         seq_lens = lens.to(torch.int32).cuda()
-        ms = bench(lambda: triton_ops.paged_attention_decode(q, kc, vc, bt, seq_lens, 1 / math.sqrt(D)), graph=True)
+        ms = bench(lambda: paged_attention.paged_attention_decode(q, kc, vc, bt, seq_lens, 1 / math.sqrt(D)), graph=True)
         log(f"| {B} | {ms * 1e3:.1f} | {100 * 2 * int(lens.sum()) * HKV * D * ESZ / ms / 1e6 / copy_gbs:.0f}% |")
         del kc, vc
         torch.cuda.empty_cache()
@@ -180,7 +180,7 @@ def prefill_case(nseq, L, bs, cfg=None):
     cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
     seq_lens = torch.full((nseq,), L, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(D)
-    return lambda: triton_ops.paged_attention_prefill(q, kc, vc, bt, cu, seq_lens, scale, max_seqlen_q=L)
+    return lambda: paged_attention.paged_attention_prefill(q, kc, vc, bt, cu, seq_lens, scale, max_seqlen_q=L)
 
 
 def prefill_flops(nseq, L):
@@ -216,7 +216,7 @@ def run_write(copy_gbs, T=8192, bs=16):
     k = torch.randn(T, HKV, D, dtype=DT, device="cuda")
     v = torch.randn(T, HKV, D, dtype=DT, device="cuda")
     slots = torch.randperm(nb * bs, device="cuda")[:T].to(torch.int32)
-    ms = bench(lambda: triton_ops.write_kv_cache(k, v, kc, vc, slots), graph=True)
+    ms = bench(lambda: paged_attention.write_kv_cache(k, v, kc, vc, slots), graph=True)
     nbytes = 2 * 2 * T * HKV * D * ESZ
     gbs = nbytes / ms / 1e6
     log(f"\n## write_kv_cache: {T} tokens, bf16, block_size {bs}: {ms * 1e3:.1f} us, {gbs:.0f} GB/s "
@@ -228,10 +228,10 @@ def sweep(copy_gbs, mm_tflops):
     flat_tokens = 256 * 2048
     flat_k = torch.randn(flat_tokens * HKV * D, dtype=DT, device="cuda")
     flat_v = torch.randn(flat_tokens * HKV * D, dtype=DT, device="cuda")
-    orig = dict(triton_ops.DECODE_CFG["gpu"])
+    orig = dict(paged_attention.DECODE_CFG["gpu"])
     shapes = [(256, 2048, 16), (256, 2048, 128), (1, 32768, 16), (32, 2048, 16)]
     for cfg in [(32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 2), (128, 8, 3)]:
-        triton_ops.DECODE_CFG["gpu"] = dict(BLOCK_N=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+        paged_attention.DECODE_CFG["gpu"] = dict(BLOCK_N=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
         res = []
         for B, ctx, bs in shapes:
             try:
@@ -240,7 +240,7 @@ def sweep(copy_gbs, mm_tflops):
             except Exception as e:  # noqa: BLE001
                 res.append(f"B{B}/ctx{ctx}/bs{bs}: failed {type(e).__name__}")
         log(f"BLOCK_N={cfg[0]} warps={cfg[1]} stages={cfg[2]}: " + "; ".join(res))
-    triton_ops.DECODE_CFG["gpu"] = orig
+    paged_attention.DECODE_CFG["gpu"] = orig
     log("\n## sweep: decode forced split counts")
     for B, ctx in [(1, 32768), (1, 2048), (32, 2048), (32, 8192)]:
         res = []
@@ -249,13 +249,13 @@ def sweep(copy_gbs, mm_tflops):
                 continue
             ms = bench(decode_case(B, ctx, 16, flat_k, flat_v, num_splits=ns), graph=True)
             res.append(f"{ns}: {ms * 1e3:.1f}us {100 * decode_bytes(B, ctx) / ms / 1e6 / copy_gbs:.0f}%")
-        log(f"B{B}/ctx{ctx}/bs16 (heuristic {triton_ops.decode_num_splits(B, HKV, ctx, torch.device('cuda'))}): " + "; ".join(res))
+        log(f"B{B}/ctx{ctx}/bs16 (heuristic {paged_attention.decode_num_splits(B, HKV, ctx, torch.device('cuda'))}): " + "; ".join(res))
     del flat_k, flat_v
     torch.cuda.empty_cache()
     log("\n## sweep: prefill tile configs, 1 x 8192 and 16 x 1024, bs 16 (TFLOP/s, % matmul)")
-    orig = dict(triton_ops.PREFILL_CFG["gpu"])
+    orig = dict(paged_attention.PREFILL_CFG["gpu"])
     for cfg in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 4), (64, 128, 4, 2)]:
-        triton_ops.PREFILL_CFG["gpu"] = dict(BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+        paged_attention.PREFILL_CFG["gpu"] = dict(BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
         res = []
         for nseq, L in [(1, 8192), (16, 1024)]:
             try:
@@ -265,7 +265,7 @@ def sweep(copy_gbs, mm_tflops):
             except Exception as e:  # noqa: BLE001
                 res.append(f"{nseq}x{L}: failed {type(e).__name__}: {str(e)[:80]}")
         log(f"BLOCK_M={cfg[0]} BLOCK_N={cfg[1]} warps={cfg[2]} stages={cfg[3]}: " + "; ".join(res))
-    triton_ops.PREFILL_CFG["gpu"] = orig
+    paged_attention.PREFILL_CFG["gpu"] = orig
 
 
 def main():

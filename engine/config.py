@@ -51,6 +51,7 @@ class ModelConfig:
     cpu_threads: Optional[int] = None  # torch threads on the CPU; null: 1, more only for hidden sizes >= 1024
     max_model_len: int = 512  # prompt + output tokens of one sequence
     seed: int = 0  # seed of the random weights
+    architecture: str = "Qwen3ForCausalLM"  # random weights: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM (a checkpoint names its own)
     vocab_size: int = 257  # random weights: tokens in the vocabulary (a checkpoint has its own shape)
     hidden_size: int = 64  # random weights: model width
     intermediate_size: int = 128  # random weights: MLP width
@@ -59,6 +60,11 @@ class ModelConfig:
     num_key_value_heads: int = 2  # random weights: key/value heads (grouped-query attention)
     head_dim: int = 16  # random weights: channels per attention head
     rope_theta: float = 1000000.0  # random weights: RoPE base
+    rope_type: str = "default"  # random weights: default | llama3 (Llama 3.1+'s long-context scaling, the rope_* keys below)
+    rope_factor: float = 8.0  # random weights, rope_type llama3: how much longer the scaled context is
+    rope_low_freq_factor: float = 1.0  # random weights, rope_type llama3: wavelengths above original / this are scaled
+    rope_high_freq_factor: float = 4.0  # random weights, rope_type llama3: wavelengths below original / this are kept
+    rope_original_max_position_embeddings: int = 8192  # random weights, rope_type llama3: the context trained before scaling
     rms_norm_eps: float = 1e-6  # random weights: RMSNorm epsilon
     tie_word_embeddings: bool = True  # random weights: the LM head is the embedding matrix
     initializer_range: float = 0.02  # random weights: their standard deviation

@@ -74,3 +74,13 @@ def schema_version(schema: pa.Schema) -> str | None:
 def schema_config(schema: pa.Schema) -> dict:
     """The resolved config stored with a file of this schema ({} when absent)."""
     return json.loads((schema.metadata or {}).get(META_CONFIG, b"{}"))
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """A resolved config (nested dicts) as {dotted key: value}; lists are values."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat = {}
+    for key, value in tree.items():
+        flat.update(flatten(value, f"{prefix}.{key}" if prefix else key))
+    return flat

@@ -1,13 +1,16 @@
 """Paged-KV ops, the fused elementwise ops of a decoder layer, and sampling.
 
 Each takes backend=None|"triton"|"torch": None picks Triton for CUDA tensors and the PyTorch reference
-otherwise. Contracts and shapes: ops/reference.py, ops/fused_reference.py, ops/sampling_reference.py
-and DESIGN.md. The Triton modules (ops/triton_ops.py, ops/fused.py, ops/sampling.py) are imported only
-when asked for: triton is optional on CPU.
+otherwise. Each family is a pair of modules: the Triton kernels in ops/<family>.py and their readable
+PyTorch versions, which state the contracts, in ops/<family>_reference.py (paged_attention, fused,
+sampling; cascade.py is the Triton side of paged_attention_reference.cascade_attention_decode). See
+also DESIGN.md. The Triton modules are imported only when asked for: triton is optional on CPU.
 """
+import importlib
+
 import torch
 
-from ops import reference
+from ops import paged_attention_reference
 
 BACKENDS = ("triton", "torch")
 
@@ -20,44 +23,20 @@ def _use_triton(backend, tensor) -> bool:
     return backend == "triton"
 
 
-# Plain import statements, not importlib: torch.compile traces through these pickers.
-def _pick(backend, tensor):
-    if not _use_triton(backend, tensor):
-        return reference
-    from ops import triton_ops
-
-    return triton_ops
-
-
-def _pick_fused(backend, tensor):
-    if not _use_triton(backend, tensor):
-        from ops import fused_reference
-
-        return fused_reference
-    from ops import fused
-
-    return fused
-
-
-def _pick_sampling(backend, tensor):
-    if not _use_triton(backend, tensor):
-        from ops import sampling_reference
-
-        return sampling_reference
-    from ops import sampling
-
-    return sampling
+def _pick(backend, tensor, family: str):
+    """ops/<family>.py or ops/<family>_reference.py, as backend and tensor's device say."""
+    return importlib.import_module(f"ops.{family}" if _use_triton(backend, tensor) else f"ops.{family}_reference")
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=None):
-    return _pick(backend, key).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    return _pick(backend, key, "paged_attention").write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, backend=None, *,
                            max_seq_len=None):
     """max_seq_len (optional): a CPU-side bound of seq_lens; the Triton backend uses it only to size its
     split-KV grid (results are right for any value)."""
-    return _pick(backend, q).paged_attention_decode(
+    return _pick(backend, q, "paged_attention").paged_attention_decode(
         q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len)
 
 
@@ -74,10 +53,7 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
     if cu_group_rows.dtype != torch.int32 or group_prefix_lens.dtype != torch.int32:
         raise ValueError(f"cu_group_rows and group_prefix_lens must be int32; got {cu_group_rows.dtype} "
                          f"and {group_prefix_lens.dtype}")
-    if _use_triton(backend, q):
-        from ops import cascade as impl
-    else:
-        impl = reference
+    impl = importlib.import_module("ops.cascade") if _use_triton(backend, q) else paged_attention_reference
     return impl.cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
                                          group_prefix_lens, max_group_rows=max_group_rows)
 
@@ -86,39 +62,44 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
                             max_seqlen_q=None):
     """max_seqlen_q (optional): a CPU-side bound of the query lengths; the Triton backend uses it to pick a
     smaller query tile for short chunks (it never needs it, and never synchronises with the device)."""
-    return _pick(backend, q).paged_attention_prefill(
+    return _pick(backend, q, "paged_attention").paged_attention_prefill(
         q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=max_seqlen_q)
 
 
 def rms_norm(x, weight, eps, backend=None):
     """x [T, H], weight [H] -> weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)."""
-    return _pick_fused(backend, x).rms_norm(x, weight, eps)
+    return _pick(backend, x, "fused").rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(x, residual, weight, eps, backend=None):
     """-> (rms_norm(x + residual), x + residual); the sum is rounded to the model dtype first."""
-    return _pick_fused(backend, x).fused_add_rms_norm(x, residual, weight, eps)
+    return _pick(backend, x, "fused").fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rope(q, k, cos, sin, positions, backend=None):
+    """q [T, Hq, D], k [T, Hkv, D]: RoPE with the float32 tables cos/sin [max_pos, D] at positions [T]
+    -> (q', k') (new contiguous tensors)."""
+    return _pick(backend, q, "fused").rope(q, k, cos, sin, positions)
 
 
 def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions, backend=None):
-    """q [T, Hq, D], k [T, Hkv, D]: per-head RMSNorm over D, then RoPE with the float32 tables
-    cos/sin [max_pos, D] at positions [T] -> (q', k') (new contiguous tensors)."""
-    return _pick_fused(backend, q).qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions)
+    """rope of the per-head RMSNorm over D of q and k (weights q_weight, k_weight [D])."""
+    return _pick(backend, q, "fused").qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
 
 def silu_and_mul(x, backend=None):
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    return _pick_fused(backend, x).silu_and_mul(x)
+    return _pick(backend, x, "fused").silu_and_mul(x)
 
 
 def gumbel_sample(logits, temperature, seed, step, backend=None):
     """One Gumbel-max draw per row: argmax_v logits[b, v] / temperature[b] + G(seed[b], step[b], v)
     with the counter-based noise of ops/sampling_reference.py; logits [B, V] of any float dtype,
     temperature >= 0 (0: the argmax) -> int64 [B]."""
-    return _pick_sampling(backend, logits).gumbel_sample(logits, temperature, seed, step)
+    return _pick(backend, logits, "sampling").gumbel_sample(logits, temperature, seed, step)
 
 
 def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend=None):
     """The same draw over the kept set of top-k and top-p (ties of logit values kept together:
     ops/sampling_reference.kept_mask); top_k int64 [B] (>= V: off), top_p float32 [B] (1: off)."""
-    return _pick_sampling(backend, logits).top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)
+    return _pick(backend, logits, "sampling").top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)

@@ -1,4 +1,4 @@
-"""Cascade (shared-prefix) decode attention in Triton (contract: ops/reference.py).
+"""Cascade (shared-prefix) decode attention in Triton (contract: ops/paged_attention_reference.py).
 
     cascade_attention_decode(q[B,Hq,D], key_cache, value_cache, block_tables[B,M], seq_lens[B], scale,
                              cu_group_rows[G+1], group_prefix_lens[G], max_group_rows=None,
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ops import triton_ops
-from ops.triton_ops import LOG2E, _attend_range, _dot_prec, _query_tile, _store_partial, _tile_owner
+from ops import paged_attention
+from ops.paged_attention import LOG2E, _attend_range, _dot_prec, _query_tile, _store_partial, _tile_owner
 
 CHUNK_MIN_TOKENS = 256  # a prefix chunk writes BLOCK_M x D float32 partials: keep it well above that
 
@@ -81,8 +81,8 @@ def prefix_num_chunks(batch, num_kv_heads, block_q, max_prefix, device):
     share one prefix, chunks of at least CHUNK_MIN_TOKENS of max_prefix (a bound). Not rounded to a
     power of two: each chunk costs a float32 [B, Hq, D] partial written and read back."""
     programs = triton.cdiv(batch, block_q) * num_kv_heads
-    want = triton.cdiv(triton_ops.SPLIT_TARGET_WAVES * triton_ops._sm_count(device), programs)
-    return max(1, min(want, max_prefix // CHUNK_MIN_TOKENS, triton_ops.SPLIT_MAX))
+    want = triton.cdiv(paged_attention.SPLIT_TARGET_WAVES * paged_attention._sm_count(device), programs)
+    return max(1, min(want, max_prefix // CHUNK_MIN_TOKENS, paged_attention.SPLIT_MAX))
 
 
 def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows, group_prefix_lens,
@@ -90,7 +90,7 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     num_groups = group_prefix_lens.shape[0]
-    decode_block_n = triton_ops.decode_cfg(q, key_cache)["BLOCK_N"]
+    decode_block_n = paged_attention.decode_cfg(q, key_cache)["BLOCK_N"]
     part_o, part_lse = partials
     _prefix_kernel[(B // block_q + num_groups, Hkv, num_chunks)](
         q, key_cache, value_cache, block_tables, cu_group_rows, group_prefix_lens, ctx_start, part_o, part_lse,
@@ -103,57 +103,34 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
     )
 
 
-def _cascade_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows, group_prefix_lens,
-                  max_group_rows=None, num_chunks=None, num_splits=None):
-    if group_prefix_lens.shape[0] == 0:  # no groups (a shape): plain decode, at no extra cost
-        return triton_ops._decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=num_splits)
-    B, Hq, D = q.shape
-    _, Hkv, bs, _ = key_cache.shape
-    out = torch.empty_like(q)
-    if B == 0:
-        return out
-    cfg = triton_ops.prefill_cfg(q, key_cache)
-    block_m, block_q = triton_ops.query_tile(cfg, Hq // Hkv, max_group_rows, q.is_cuda)
-    max_ctx = block_tables.shape[1] * bs
-    if num_chunks is None:
-        num_chunks = prefix_num_chunks(B, Hkv, block_q, max_ctx, q.device)
-    if num_splits is None:
-        num_splits = triton_ops.decode_num_splits(B, Hkv, max_ctx, q.device)
-    num_chunks, num_splits = max(1, int(num_chunks)), max(1, int(num_splits))
-    partials = triton_ops.decode_partials(q, num_chunks + num_splits)
-    ctx_start = torch.zeros(B, dtype=torch.int32, device=q.device)
-    _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows, group_prefix_lens,
-                   ctx_start, partials, num_chunks, block_m, block_q, cfg)
-    triton_ops.launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
-                             partials=partials, ctx_start=ctx_start, first_slot=num_chunks)
-    triton_ops.launch_reduce(partials, out, num_chunks + num_splits, ctx_start=ctx_start,
-                             num_prefix_slots=num_chunks)
-    return out
-
-
-@torch.library.custom_op("minipaged::cascade_attention_decode", mutates_args=())
-def _cascade_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, scale: float, cu_group_rows: torch.Tensor, group_prefix_lens: torch.Tensor,
-                max_group_rows: Optional[int] = None, num_chunks: Optional[int] = None,
-                num_splits: Optional[int] = None) -> torch.Tensor:
-    return _cascade_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
-                         group_prefix_lens, max_group_rows, num_chunks, num_splits)
-
-
-@_cascade_op.register_fake
-def _(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows, group_prefix_lens,
-      max_group_rows=None, num_chunks=None, num_splits=None):
-    return torch.empty_like(q)
-
-
 def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
                              group_prefix_lens, max_group_rows: Optional[int] = None,
                              num_chunks: Optional[int] = None, num_splits: Optional[int] = None):
     """max_group_rows: optional CPU-side bound of the rows per group; only picks a smaller row tile.
     num_chunks / num_splits: force the partition counts of the prefix / suffix passes (tests,
     benchmarks); None picks them from shapes."""
-    args = (q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows, group_prefix_lens,
-            max_group_rows, num_chunks, num_splits)
-    if triton_ops._compiling():
-        return torch.ops.minipaged.cascade_attention_decode(*args[:5], float(scale), *args[6:])
-    return _cascade_impl(*args)
+    if group_prefix_lens.shape[0] == 0:  # no groups (a shape): plain decode, at no extra cost
+        return paged_attention.paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                      num_splits=num_splits)
+    B, Hq, D = q.shape
+    _, Hkv, bs, _ = key_cache.shape
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    cfg = paged_attention.prefill_cfg(q, key_cache)
+    block_m, block_q = paged_attention.query_tile(cfg, Hq // Hkv, max_group_rows, q.is_cuda)
+    max_ctx = block_tables.shape[1] * bs
+    if num_chunks is None:
+        num_chunks = prefix_num_chunks(B, Hkv, block_q, max_ctx, q.device)
+    if num_splits is None:
+        num_splits = paged_attention.decode_num_splits(B, Hkv, max_ctx, q.device)
+    num_chunks, num_splits = max(1, int(num_chunks)), max(1, int(num_splits))
+    partials = paged_attention.decode_partials(q, num_chunks + num_splits)
+    ctx_start = torch.zeros(B, dtype=torch.int32, device=q.device)
+    _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows, group_prefix_lens,
+                   ctx_start, partials, num_chunks, block_m, block_q, cfg)
+    paged_attention.launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
+                                  partials=partials, ctx_start=ctx_start, first_slot=num_chunks)
+    paged_attention.launch_reduce(partials, out, num_chunks + num_splits, ctx_start=ctx_start,
+                                  num_prefix_slots=num_chunks)
+    return out

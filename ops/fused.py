@@ -3,20 +3,19 @@ references: ops/fused_reference.py).
 
     rms_norm(x[T,H], weight[H], eps) -> [T,H]
     fused_add_rms_norm(x[T,H], residual[T,H], weight[H], eps) -> (normed, x + residual)
-    qk_norm_rope(q[T,Hq,D], k[T,Hkv,D], q_weight[D], k_weight[D], eps, cos[P,D], sin[P,D], positions[T])
-        -> (q', k')
+    rope(q[T,Hq,D], k[T,Hkv,D], cos[P,D], sin[P,D], positions[T]) -> (q', k')
+    qk_norm_rope(q, k, q_weight[D], k_weight[D], eps, cos, sin, positions) -> (q', k')
     silu_and_mul(x[T, 2I]) -> [T, I]
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
 rounding steps (float32 math, casts to the model dtype where the torch code casts). None of them
 synchronises with the host (grids come from shapes only), so they can be captured in CUDA graphs.
-They are registered as torch.library custom ops (namespace ``minipaged``) with fake
-implementations; eager calls skip the dispatcher (as in ops/triton_ops.py).
 
 Kernels:
 - rms_norm / fused_add_rms_norm: one program per row, the whole row in registers.
-- qk_norm_rope: one program per (token, group of heads); each element also loads its rotary
-  partner (d +- D/2) and normalises it with the same per-head scale, so no shuffle is needed.
+- rope / qk_norm_rope: one kernel, QK-norm a compile-time switch; one program per (token, group of
+  heads); each element also loads its rotary partner (d +- D/2) and normalises it with the same
+  per-head scale, so no shuffle is needed.
 - silu_and_mul: one program per (row, tile of I).
 The sampling kernels are in ops/sampling.py.
 """
@@ -74,23 +73,23 @@ def _rms_norm_launch(x, residual, weight, eps):
     return out, res_out
 
 
-def _rms_norm_impl(x, weight, eps):
+def rms_norm(x, weight, eps):
     return _rms_norm_launch(x, None, weight, eps)[0]
 
 
-def _fused_add_rms_norm_impl(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps):
     return _rms_norm_launch(x, residual, weight, eps)
 
 
 # --------------------------------------------------------------------------------------------
-# qk_norm_rope
+# rope, qk_norm_rope
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _norm_rope_heads(
+def _rope_heads(
     x_ptr, o_ptr, w_ptr, cos_row, sin_row, s_cd,
     s_xh, s_xd, s_oh, s_od,
     h0, n_heads, eps,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -99,14 +98,15 @@ def _norm_rope_heads(
     first = d < HEAD_DIM // 2
     pd = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # rotary partner of d
     dt = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + h * s_xh + d * s_xd, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + h * s_xh + pd * s_xd, mask=mask, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
-    w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + pd, mask=d_mask, other=0.0).to(tl.float32)
-    # RMSNorm with the unfused rounding: weight * (x * inv).to(dtype), rounded to the dtype
-    y = (w * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    yp = (wp * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    y = tl.load(x_ptr + h * s_xh + d * s_xd, mask=mask, other=0.0).to(tl.float32)
+    yp = tl.load(x_ptr + h * s_xh + pd * s_xd, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(y * y, 1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + pd, mask=d_mask, other=0.0).to(tl.float32)
+        # RMSNorm with the unfused rounding: weight * (x * inv).to(dtype), rounded to the dtype
+        y = (w * (y * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        yp = (wp * (yp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     rot = tl.where(first, -yp, yp)  # rotate_half: cat(-x2, x1)
     c = tl.load(cos_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
     s = tl.load(sin_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
@@ -115,13 +115,13 @@ def _norm_rope_heads(
 
 
 @triton.jit
-def _qk_norm_rope_kernel(
+def _rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, ko_ptr,
     num_q_heads, num_kv_heads, eps,
     s_qt, s_qh, s_qd, s_kt, s_kh, s_kd,
     s_qot, s_qoh, s_qod, s_kot, s_koh, s_kod,
     s_cp, s_cd,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -130,20 +130,25 @@ def _qk_norm_rope_kernel(
     sin_row = sin_ptr + pos * s_cp
     q_groups = tl.cdiv(num_q_heads, BLOCK_H)
     if g < q_groups:
-        _norm_rope_heads(q_ptr + t * s_qt, qo_ptr + t * s_qot, qw_ptr, cos_row, sin_row, s_cd,
-                         s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps,
-                         HEAD_DIM, BLOCK_H, BLOCK_D)
+        _rope_heads(q_ptr + t * s_qt, qo_ptr + t * s_qot, qw_ptr, cos_row, sin_row, s_cd,
+                    s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps,
+                    NORM, HEAD_DIM, BLOCK_H, BLOCK_D)
     else:
-        _norm_rope_heads(k_ptr + t * s_kt, ko_ptr + t * s_kot, kw_ptr, cos_row, sin_row, s_cd,
-                         s_kh, s_kd, s_koh, s_kod, (g - q_groups) * BLOCK_H, num_kv_heads, eps,
-                         HEAD_DIM, BLOCK_H, BLOCK_D)
+        _rope_heads(k_ptr + t * s_kt, ko_ptr + t * s_kot, kw_ptr, cos_row, sin_row, s_cd,
+                    s_kh, s_kd, s_koh, s_kod, (g - q_groups) * BLOCK_H, num_kv_heads, eps,
+                    NORM, HEAD_DIM, BLOCK_H, BLOCK_D)
 
 
-def _qk_norm_rope_impl(q, k, q_weight, k_weight, eps, cos, sin, positions):
+def _rope_launch(q, k, q_weight, k_weight, eps, cos, sin, positions):
+    """q_weight None: RoPE alone; else QK-norm with q_weight, k_weight, eps first."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     assert D % 2 == 0 and k.shape[2] == D and cos.shape[1] == D and sin.stride() == cos.stride()
+    norm = q_weight is not None
+    if norm:
+        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    else:
+        q_weight, k_weight, eps = q, k, 0.0  # unused (NORM=False)
     q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format)
     if T == 0:
@@ -151,13 +156,21 @@ def _qk_norm_rope_impl(q, k, q_weight, k_weight, eps, cos, sin, positions):
     block_d = triton.next_power_of_2(D)
     block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 2048 // block_d))
     grid = (T, triton.cdiv(Hq, block_h) + triton.cdiv(Hkv, block_h))
-    _qk_norm_rope_kernel[grid](
+    _rope_kernel[grid](
         q, k, q_weight, k_weight, cos, sin, positions, q_out, k_out,
         Hq, Hkv, float(eps),
         *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(),
-        HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        NORM=norm, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
     )
     return q_out, k_out
+
+
+def rope(q, k, cos, sin, positions):
+    return _rope_launch(q, k, None, None, 0.0, cos, sin, positions)
+
+
+def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions):
+    return _rope_launch(q, k, q_weight, k_weight, eps, cos, sin, positions)
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,7 +187,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n_inter, s_x, s_xc, s_o, s_oc, BLOCK: t
     tl.store(out_ptr + row * s_o + cols * s_oc, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _silu_and_mul_impl(x):
+def silu_and_mul(x):
     T, two_i = x.shape
     inter = two_i // 2
     out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
@@ -185,83 +198,3 @@ def _silu_and_mul_impl(x):
         x, out, inter, *x.stride(), *out.stride(), BLOCK=block, num_warps=4,
     )
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# registration as torch.library custom ops (opaque to torch.compile, capturable in CUDA graphs)
-# --------------------------------------------------------------------------------------------
-@torch.library.custom_op("minipaged::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm_impl(x, weight, eps)
-
-
-@_rms_norm_op.register_fake
-def _(x, weight, eps):
-    return x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
-
-
-@torch.library.custom_op("minipaged::fused_add_rms_norm", mutates_args=())
-def _fused_add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fused_add_rms_norm_impl(x, residual, weight, eps)
-
-
-@_fused_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
-    return (x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype)),
-            x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype)))
-
-
-@torch.library.custom_op("minipaged::qk_norm_rope", mutates_args=())
-def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                     eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _qk_norm_rope_impl(q, k, q_weight, k_weight, eps, cos, sin, positions)
-
-
-@_qk_norm_rope_op.register_fake
-def _(q, k, q_weight, k_weight, eps, cos, sin, positions):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
-
-
-@torch.library.custom_op("minipaged::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(x: torch.Tensor) -> torch.Tensor:
-    return _silu_and_mul_impl(x)
-
-
-@_silu_and_mul_op.register_fake
-def _(x):
-    return x.new_empty((x.shape[0], x.shape[1] // 2))
-
-
-# --------------------------------------------------------------------------------------------
-# public functions (same positional arguments as ops/fused_reference.py)
-# --------------------------------------------------------------------------------------------
-# Outside torch.compile tracing they call their implementations directly (the custom-op
-# dispatcher costs ~15 us of CPU per call); under torch.compile they go through torch.ops.minipaged.*.
-_compiling = torch.compiler.is_compiling
-
-
-def rms_norm(x, weight, eps):
-    if _compiling():
-        return torch.ops.minipaged.rms_norm(x, weight, float(eps))
-    return _rms_norm_impl(x, weight, eps)
-
-
-def fused_add_rms_norm(x, residual, weight, eps):
-    if _compiling():
-        return torch.ops.minipaged.fused_add_rms_norm(x, residual, weight, float(eps))
-    return _fused_add_rms_norm_impl(x, residual, weight, eps)
-
-
-def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions):
-    if _compiling():
-        return torch.ops.minipaged.qk_norm_rope(q, k, q_weight, k_weight, float(eps), cos, sin, positions)
-    return _qk_norm_rope_impl(q, k, q_weight, k_weight, eps, cos, sin, positions)
-
-
-def silu_and_mul(x):
-    if _compiling():
-        return torch.ops.minipaged.silu_and_mul(x)
-    return _silu_and_mul_impl(x)
-

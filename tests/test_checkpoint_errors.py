@@ -32,7 +32,9 @@ def truncate(name: str):
     (edit_config(hidden_size=..., num_hidden_layers=...), r"config.json lacks hidden_size, num_hidden_layers$"),
     (edit_config(hidden_size="96", head_dim=0, rms_norm_eps=float("inf")),
      r"config.json has impossible values: hidden_size='96', head_dim=0, rms_norm_eps=inf$"),
-    (edit_config(model_type="llama"), r"config.json describes a 'llama' model; only qwen3 is supported"),
+    (edit_config(architectures=["GPT2LMHeadModel"]), r"config.json: architecture 'GPT2LMHeadModel' is not supported "
+                                                     r"\(supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, "
+                                                     r"Qwen3ForCausalLM\)$"),
     (edit_config(intermediate_size=128), r"model.safetensors holds model.layers.0.mlp.down_proj.weight of shape "
                                          r"\(96, 192\), which does not fit the shape config.json gives the model"),
     (write("model.safetensors", b"\x00" * 64), r"cannot read the weights in .*model.safetensors \(.*\)"),

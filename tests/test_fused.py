@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import ops  # noqa: E402
-from engine.models.qwen3 import RotaryEmbedding  # noqa: E402
+from engine.models.rope import Rope, RotaryEmbedding  # noqa: E402
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -132,24 +133,35 @@ def test_fused_add_rms_norm(gen, backend, dtype, T, H):
     check_unfused(normed, unfused, backend, dtype, gen, "normed")
 
 
-# --- qk_norm_rope --------------------------------------------------------------------------
+# --- rope, qk_norm_rope ----------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 4, 2, 64), (7, 8, 1, 128), (5, 4, 2, 24), (3, 40, 8, 128)])
-def test_qk_norm_rope(gen, backend, dtype, T, Hq, Hkv, D):
+@pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 4, 2, 64), (7, 8, 1, 128), (5, 4, 2, 24), (3, 40, 8, 128), (4, 14, 2, 64)])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm_rope", "rope"])
+def test_rope(gen, backend, dtype, T, Hq, Hkv, D, qk_norm):
     max_pos = 4096
-    rotary = RotaryEmbedding(D, 1e6, max_pos).to(DEVICE)
+    rotary = RotaryEmbedding(D, Rope(1e6), max_pos).to(DEVICE)
     # q and k as the attention layer makes them: views of the fused qkv projection
     qkv = randn(gen, T, (Hq + 2 * Hkv) * D, dtype=dtype, scale=2.0, pad=3)
     q = qkv[:, : Hq * D].reshape(T, Hq, D)
     k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
     q_w, k_w = randn(gen, D, dtype=dtype), randn(gen, D, dtype=dtype)
     positions = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
-    q_out, k_out = ops.qk_norm_rope(q, k, q_w, k_w, EPS, rotary.cos, rotary.sin, positions, backend=backend)
+    if qk_norm:
+        q_out, k_out = ops.qk_norm_rope(q, k, q_w, k_w, EPS, rotary.cos, rotary.sin, positions, backend=backend)
+    else:
+        q_out, k_out = ops.rope(q, k, rotary.cos, rotary.sin, positions, backend=backend)
     assert q_out.shape == q.shape and k_out.shape == k.shape
     for out, x, w, what in ((q_out, q, q_w, "q"), (k_out, k, k_w, "k")):
-        ref = oracle_rope(oracle_rms_norm(x, w, EPS), rotary.cos, rotary.sin, positions)
+        ref = oracle_rope(oracle_rms_norm(x, w, EPS) if qk_norm else x.double(), rotary.cos, rotary.sin, positions)
         check(out, ref, dtype, gen, f"{what} vs float64")
+    # transformers' apply_rotary_pos_emb, with its tables in the model dtype
+    cos, sin = rotary.cos[positions].to(dtype), rotary.sin[positions].to(dtype)
+    if qk_norm:
+        q, k = unfused_rms_norm(q, q_w, EPS), unfused_rms_norm(k, k_w, EPS)
+    unfused = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    for out, expected, what in zip((q_out, k_out), unfused, "qk"):
+        check_unfused(out, expected, backend, dtype, gen, what)
 
 
 # --- silu_and_mul --------------------------------------------------------------------------
@@ -166,18 +178,20 @@ def test_silu_and_mul(gen, backend, dtype, T, inter):
 
 
 # --- the model with the Triton backend -----------------------------------------------------
-def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
-    """The tiny Qwen3 forward (prefill) with the fused ops on Triton vs on torch (float32)."""
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch, qk_norm):
+    """A tiny decoder's forward (prefill) with every op on Triton vs on torch (float32): Qwen3's QK-norm,
+    or Llama's llama3-scaled RoPE alone."""
     from engine.attention import AttentionMetadata, PrefillMetadata
     from engine.kv_cache import PagedKVCache
-    from engine.models.qwen3 import Qwen3Arch, Qwen3ForCausalLM
-    from ops import fused
+    from engine.models.decoder import DecoderArch, DecoderForCausalLM
 
-    arch = Qwen3Arch(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope_theta=1e6,
-                     rms_norm_eps=1e-6, tie_word_embeddings=True)
+    rope = Rope(1e6) if qk_norm else Rope(5e5, "llama3", 8.0, 1.0, 4.0, 32)
+    arch = DecoderArch(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=24, rope=rope,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, qk_norm=qk_norm)
     torch.manual_seed(gen.initial_seed())
-    model = Qwen3ForCausalLM(arch, max_positions=64).to(DEVICE)
+    model = DecoderForCausalLM(arch, max_positions=64).to(DEVICE)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.2)
@@ -193,7 +207,7 @@ def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
         torch.tensor([0, 5, 8], dtype=torch.int32, device=DEVICE)))
     outs = {}
     for backend in BACKENDS:
-        monkeypatch.setattr(ops, "_pick_fused", lambda _, __, b=backend: fused if b == "triton" else ops.fused_reference)
+        monkeypatch.setattr(ops, "_use_triton", lambda _, __, b=backend: b == "triton")
         cache = PagedKVCache(model.kv_cache_spec, 4, block_size, torch.float32, torch.device(DEVICE))
         with torch.no_grad():
             outs[backend] = model(input_ids, positions, cache, meta)
@@ -203,7 +217,7 @@ def test_model_forward_with_triton_kernels_matches_torch(gen, monkeypatch):
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_no_host_synchronisation(gen):
     T, H, Hq, Hkv, D = 8, 256, 8, 2, 128
-    rotary = RotaryEmbedding(D, 1e6, 128).to(DEVICE)
+    rotary = RotaryEmbedding(D, Rope(1e6), 128).to(DEVICE)
     x, r, w = randn(gen, T, H), randn(gen, T, H), randn(gen, H)
     q, k, qkw = randn(gen, T, Hq, D), randn(gen, T, Hkv, D), randn(gen, D)
     positions = torch.arange(T, device=DEVICE)
@@ -213,6 +227,7 @@ def test_no_host_synchronisation(gen):
         ops.rms_norm(x, w, EPS)
         ops.fused_add_rms_norm(x, r, w, EPS)
         ops.qk_norm_rope(q, k, qkw, qkw, EPS, rotary.cos, rotary.sin, positions)
+        ops.rope(q, k, rotary.cos, rotary.sin, positions)
         ops.silu_and_mul(x)
     finally:
         torch.cuda.set_sync_debug_mode("default")

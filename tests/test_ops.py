@@ -210,22 +210,22 @@ def test_paged_attention_decode(backend, dtype, case, gen, nan_outputs):
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_paged_attention_decode_split_kv(num_splits, gen, nan_outputs):
     """Forced partition counts (1: the direct path, 3: not a power of two, 8: empty partitions)."""
-    from ops import triton_ops
+    from ops import paged_attention
 
     dtype = torch.float32
     args = decode_inputs((16, 8, 2, 64, [1, 17, 400]), dtype, gen)
     ref = decode_oracle(*args)
-    out = triton_ops.paged_attention_decode(*args, num_splits=num_splits)
+    out = paged_attention.paged_attention_decode(*args, num_splits=num_splits)
     check(out, ref, dtype, gen, f"decode splits={num_splits}")
 
 
 def test_decode_split_heuristic_and_hint(gen):
-    from ops import triton_ops
+    from ops import paged_attention
 
     dev = torch.device(DEVICE)
-    assert triton_ops.decode_num_splits(256, 8, 2048, dev) == 1
-    assert triton_ops.decode_num_splits(1, 8, 32768, dev) > 1
-    assert triton_ops.decode_num_splits(1, 8, 100, dev) == 1
+    assert paged_attention.decode_num_splits(256, 8, 2048, dev) == 1
+    assert paged_attention.decode_num_splits(1, 8, 32768, dev) > 1
+    assert paged_attention.decode_num_splits(1, 8, 100, dev) == 1
     dtype = torch.float32
     args = decode_inputs((8, 4, 2, 64, [700]), dtype, gen)
     ref = decode_oracle(*args)
@@ -291,50 +291,8 @@ def test_bfloat16_interpreter(kind, gen, nan_outputs):
 
 
 # ---------------------------------------------------------------------------------------------
-# registration: torch.compile without graph breaks, CUDA graph capture
+# CUDA graph capture
 # ---------------------------------------------------------------------------------------------
-def test_torch_compile_fullgraph(gen):
-    dtype = torch.float32
-    q, key_cache, value_cache, bt, seq_lens, scale = decode_inputs((16, 4, 2, 64, [3, 20]), dtype, gen)
-    k_new = torch.randn(2, 2, 64, generator=gen).to(DEVICE)
-    v_new = torch.randn(2, 2, 64, generator=gen).to(DEVICE)
-    # write the new tokens at positions seq_len (the next slot of each sequence)
-    lens = seq_lens.cpu().tolist()
-    slots = torch.tensor([int(bt[b, L // 16]) * 16 + L % 16 for b, L in enumerate(lens)], dtype=torch.int32)
-    assert all(int(bt[b, L // 16]) >= 0 for b, L in enumerate(lens))
-
-    def step(q, k_new, v_new, key_cache, value_cache, slots, bt, seq_lens):
-        ops.write_kv_cache(k_new, v_new, key_cache, value_cache, slots, backend="triton")
-        return ops.paged_attention_decode(q, key_cache, value_cache, bt, seq_lens + 1, scale, backend="triton") * 2
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    kc2, vc2 = key_cache.clone(), value_cache.clone()
-    out = compiled(q, k_new, v_new, kc2, vc2, slots.to(DEVICE), bt, seq_lens)
-    ref = decode_oracle(q, kc2, vc2, bt, seq_lens + 1, scale) * 2
-    check(out, ref, dtype, gen, "compiled")
-    assert torch.equal(kc2[slots[0] // 16, :, slots[0] % 16], k_new[0])
-
-
-def test_registered_custom_ops(gen):
-    """The torch.library ops (what torch.compile sees) compute the same as the eager entry points."""
-    from ops import triton_ops  # noqa: F401  (registers torch.ops.minipaged.*)
-
-    dtype = torch.float32
-    args = decode_inputs((8, 8, 2, 64, [9, 30]), dtype, gen)
-    check(torch.ops.minipaged.paged_attention_decode(*args), decode_oracle(*args), dtype, gen, "op decode")
-    pargs = prefill_inputs((8, 8, 2, 64, [(9, 9), (30, 12)]), dtype, gen)
-    check(torch.ops.minipaged.paged_attention_prefill(*pargs), oracle(*pargs), dtype, gen, "op prefill")
-    key_cache = torch.zeros(4, 2, 8, 64, device=DEVICE)
-    value_cache = torch.zeros(4, 2, 8, 64, device=DEVICE)
-    key = torch.randn(3, 2, 64, generator=gen).to(DEVICE)
-    torch.ops.minipaged.write_kv_cache(key, -key, key_cache, value_cache,
-                                       torch.tensor([5, -1, 30], dtype=torch.int32, device=DEVICE))
-    assert torch.equal(key_cache[0, :, 5], key[0]) and torch.equal(value_cache[3, :, 6], -key[2])
-    assert key_cache.count_nonzero() == 2 * 2 * 64
-    sample = decode_inputs((8, 4, 2, 64, [3, 9]), dtype, gen)
-    torch.library.opcheck(torch.ops.minipaged.paged_attention_decode.default, sample)
-
-
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture(gen):
     dtype = torch.bfloat16

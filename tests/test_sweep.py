@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec, bytes_per_block, num_blocks_for
-from engine.models.loader import arch_from_model_config
+from engine.models.loader import model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZES = (8, 16, 32)
@@ -26,7 +26,7 @@ def test_kv_budget_gives_every_block_size_the_same_memory(make_config):
     budget = 0.001
     for block_size in (1, 8, 16, 32, 64, 128):
         cfg = make_config(f"cache.block_size={block_size}", f"cache.kv_budget_gb={budget}")
-        arch = arch_from_model_config(cfg.model)
+        arch = model_spec(cfg.model, None)[1]
         spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
         per_block = bytes_per_block(spec, block_size, torch.float32)
         blocks = num_blocks_for(cfg.cache, per_block, torch.device("cpu"), cfg.model.max_model_len, 1)

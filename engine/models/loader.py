@@ -1,6 +1,7 @@
-"""Build the Qwen3 of engine/models/qwen3.py: from a Hugging Face checkpoint (a directory, or a hub id
+"""Build a model of engine/models/registry.py: from a Hugging Face checkpoint (a directory, or a hub id
 resolved to its snapshot in the local hub cache), or with seeded random weights of the configured shape
-(the embedded default and the benchmarks)."""
+(the embedded default and the benchmarks). Either way a config.json dict describes the model (the
+checkpoint's, or one made of the model.* keys): its architectures pick the class, which reads its arch."""
 import functools
 import json
 import math
@@ -14,21 +15,16 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
 from engine.config import ConfigError
-from engine.models.qwen3 import Qwen3Arch, Qwen3ForCausalLM
+from engine.models.decoder import DecoderArch, DecoderForCausalLM
+from engine.models.layers import PackedLinear
+from engine.models.registry import model_class
 
 # What a hub snapshot needs: config.json, generation_config.json, the weights (and their index), tokenizer files.
 HUB_FILES = ["*.json", "*.safetensors", "merges.txt", "tokenizer.model", "*.jinja"]
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 COUNT_KEYS = (*SHAPE_KEYS, "num_key_value_heads", "head_dim")  # positive integers where present
-SCALE_KEYS = ("rope_theta", "rms_norm_eps")  # positive finite numbers where present
-
-# Hugging Face parameter -> (our fused parameter, shard index) for the fused projections.
-FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def arch_from_model_config(model_cfg) -> Qwen3Arch:
-    return Qwen3Arch(**{f: model_cfg[f] for f in Qwen3Arch.__dataclass_fields__ if f in model_cfg})
+SCALE_KEYS = ("rms_norm_eps",)  # positive finite numbers where present (rope_theta: engine/models/rope.py)
+COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)  # stored by some checkpoints; the model computes its own
 
 
 def resolve_model_path(model_cfg) -> Path | None:
@@ -71,7 +67,7 @@ def _hub_snapshot(repo_id: str, cache_dir: str) -> Path:
 
 
 def read_checkpoint_config(path: Path) -> dict:
-    """A checkpoint's config.json: a JSON object with a Qwen3's shape keys, else ConfigError."""
+    """config.json of a checkpoint directory, as a dict; ConfigError naming the file if it cannot be read."""
     file = path / "config.json"
     try:
         config = json.loads(file.read_text())
@@ -81,16 +77,18 @@ def read_checkpoint_config(path: Path) -> dict:
         raise ConfigError(f"model.path: cannot read {file} ({err})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model.path: {file} holds a JSON {type(config).__name__}, not an object")
-    if config.get("model_type", "qwen3") != "qwen3":
-        raise ConfigError(f"model.path: {file} describes a {config['model_type']!r} model; only qwen3 is supported")
+    return config
+
+
+def check_shape_values(config: dict, where: str) -> None:
+    """The shape keys of a config.json dict are present, and positive where present."""
     missing = [key for key in SHAPE_KEYS if key not in config]
     if missing:
-        raise ConfigError(f"model.path: {file} lacks {', '.join(missing)}")
+        raise ConfigError(f"{where} lacks {', '.join(missing)}")
     bad = [f"{key}={config[key]!r}" for key in (*COUNT_KEYS, *SCALE_KEYS)
            if config.get(key) is not None and not _positive(config[key], int if key in COUNT_KEYS else float)]
     if bad:
-        raise ConfigError(f"model.path: {file} has impossible values: {', '.join(bad)}")
-    return config
+        raise ConfigError(f"{where} has impossible values: {', '.join(bad)}")
 
 
 def _positive(value, kind: type) -> bool:
@@ -100,25 +98,30 @@ def _positive(value, kind: type) -> bool:
     return value > 0 and math.isfinite(value)
 
 
-def arch_from_checkpoint(path: Path) -> tuple[Qwen3Arch, list[int]]:
-    """The architecture and EOS ids from a checkpoint's config.json."""
-    config = read_checkpoint_config(path)
-    rope = config.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", config.get("rope_theta", 1000000.0))
-    if rope.get("rope_type", "default") != "default":
-        raise ConfigError(f"model.path: rope_type {rope['rope_type']!r} is not supported (only 'default')")
-    heads = config["num_attention_heads"]
-    arch = Qwen3Arch(
-        vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=config.get("num_key_value_heads", heads),
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads, rope_theta=theta,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-        attention_bias=config.get("attention_bias", False),
-    )
-    eos = config.get("eos_token_id")
-    return arch, ([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+def random_weights_config(model_cfg) -> dict:
+    """The config.json that model.* describes (random weights)."""
+    m = model_cfg
+    return {"architectures": [m.architecture], "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+            "intermediate_size": m.intermediate_size, "num_hidden_layers": m.num_hidden_layers,
+            "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
+            "head_dim": m.head_dim, "rms_norm_eps": m.rms_norm_eps, "tie_word_embeddings": m.tie_word_embeddings,
+            "rope_parameters": {"rope_type": m.rope_type, "rope_theta": m.rope_theta, "factor": m.rope_factor,
+                                "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                                "original_max_position_embeddings": m.rope_original_max_position_embeddings}}
+
+
+def model_spec(model_cfg, path: Path | None) -> tuple[type[DecoderForCausalLM], DecoderArch, list[int]]:
+    """The model's class, arch and EOS token ids: from the config.json of the checkpoint at `path`, or,
+    path None, from model.* (random weights)."""
+    if path:
+        config, where = read_checkpoint_config(path), f"model.path: {path / 'config.json'}"
+        eos = config.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    else:
+        config, where, eos = random_weights_config(model_cfg), "model", [model_cfg.eos_token_id]
+    check_shape_values(config, where)
+    cls = model_class(config, where)
+    return cls, cls.arch_from_config(config, where), eos
 
 
 def check_checkpoint(path: Path) -> None:
@@ -132,51 +135,56 @@ def check_checkpoint(path: Path) -> None:
         raise ConfigError(f"model.path {str(path)!r} lacks {', '.join(missing)}")
 
 
-def load_weights(model: Qwen3ForCausalLM, path: Path) -> None:
-    params = dict(model.named_parameters())
+def checkpoint_target(name: str, packed_modules_mapping: dict) -> tuple[str, int | None]:
+    """The model parameter a checkpoint tensor goes into, and its shard there (None: all of it)."""
+    module_path, _, leaf = name.rpartition(".")
+    parent, _, module = module_path.rpartition(".")
+    if module not in packed_modules_mapping:
+        return name, None
+    packed, shard = packed_modules_mapping[module]
+    return f"{parent}.{packed}.{leaf}", shard
+
+
+def load_weights(model: DecoderForCausalLM, path: Path) -> None:
+    """Copy every tensor of the checkpoint's safetensors files into its parameter, or its shard of a
+    PackedLinear (model.packed_modules_mapping); ConfigError, naming the file and tensor, for a tensor
+    that has no place in the model or does not fit it, and for parameters no tensor filled."""
+    params, modules = dict(model.named_parameters()), dict(model.named_modules())
+    needed = {(name, shard) for name, param in params.items()
+              for shard in _shards(modules[name.rpartition(".")[0]])}
     loaded = set()
     for file in sorted(path.glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    target, shard = _target(name)
+                    if name.endswith(COMPUTED_BUFFERS) or (name == "lm_head.weight" and model.arch.tie_word_embeddings):
+                        continue
+                    target, shard = checkpoint_target(name, model.packed_modules_mapping)
                     if target not in params:
-                        continue  # e.g. lm_head.weight of a tied checkpoint
+                        raise ConfigError(f"model.path: {file} holds {name}, which {type(model).__name__} as "
+                                          f"config.json describes it has no parameter for")
+                    param = params[target]
+                    if shard is not None:
+                        param = modules[target.rpartition(".")[0]].shard(param, shard)
                     tensor = f.get_tensor(name)
-                    if not _copy_shard(params[target], tensor, shard, model):
+                    if param.shape != tensor.shape:
                         raise ConfigError(f"model.path: {file} holds {name} of shape {tuple(tensor.shape)}, which "
                                           f"does not fit the shape config.json gives the model")
-                    loaded.add(target)
+                    with torch.no_grad():
+                        param.copy_(tensor)
+                    loaded.add((target, shard))
         except (SafetensorError, OSError) as err:
             raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
-    missing = set(params) - loaded
+    missing = sorted({name for name, _ in needed - loaded})
     if missing:
-        raise ConfigError(f"model.path {str(path)!r}: weights missing for {sorted(missing)[:5]}")
+        raise ConfigError(f"model.path {str(path)!r}: weights missing for {missing[:5]}")
 
 
-def _target(hf_name: str) -> tuple[str, int | None]:
-    for hf_part, (ours, shard) in FUSED.items():
-        if f".{hf_part}." in hf_name:
-            return hf_name.replace(hf_part, ours), shard
-    return hf_name, None
+def _shards(module) -> list[int | None]:
+    return list(range(len(module.output_sizes))) if isinstance(module, PackedLinear) else [None]
 
 
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, model: Qwen3ForCausalLM) -> bool:
-    """Copy `tensor` into its place in `param`; False, copying nothing, if the shapes differ."""
-    with torch.no_grad():
-        if shard is not None:
-            attn = model.model.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size] if param.shape[0] == attn.q_size + 2 * attn.kv_size \
-                else [param.shape[0] // 2] * 2
-            start = sum(sizes[:shard])
-            param = param[start:start + sizes[shard]]
-        if param.shape != tensor.shape:
-            return False
-        param.copy_(tensor)
-        return True
-
-
-def init_random_weights(model: Qwen3ForCausalLM, seed: int, std: float) -> None:
+def init_random_weights(model: DecoderForCausalLM, seed: int, std: float) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -188,15 +196,13 @@ def init_random_weights(model: Qwen3ForCausalLM, seed: int, std: float) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
-def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[Qwen3ForCausalLM, list[int]]:
+def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[DecoderForCausalLM, list[int]]:
     """The model on `device` in `dtype`, and its EOS token ids."""
     path = resolve_model_path(model_cfg)
     if path:
         check_checkpoint(path)
-        arch, eos = arch_from_checkpoint(path)
-    else:
-        arch, eos = arch_from_model_config(model_cfg), [model_cfg.eos_token_id]
-    model = Qwen3ForCausalLM(arch, model_cfg.max_model_len)
+    cls, arch, eos = model_spec(model_cfg, path)
+    model = cls(arch, model_cfg.max_model_len)
     if path:
         load_weights(model, path)
     else:
@@ -204,37 +210,29 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[Qw
     return model.requires_grad_(False).to(device=device, dtype=dtype).eval(), eos
 
 
-def to_hf_model(model: Qwen3ForCausalLM):
-    """transformers' Qwen3ForCausalLM with this model's weights (unfused), on its device and dtype."""
-    from transformers import Qwen3Config
-    from transformers import Qwen3ForCausalLM as HFQwen3
+def to_hf_model(model: DecoderForCausalLM):
+    """transformers' model of the same architecture with this model's weights (unpacked), on its device
+    and dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    arch, weight = model.arch, model.lm_head.weight
-    config = Qwen3Config(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim, rms_norm_eps=arch.rms_norm_eps,
-        tie_word_embeddings=arch.tie_word_embeddings, attention_bias=arch.attention_bias,
-        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
-        max_position_embeddings=model.model.rotary.cos.shape[0],
-    )
-    hf_model = HFQwen3(config).to(device=weight.device, dtype=weight.dtype).eval()
-    hf_model.load_state_dict(unfused_state_dict(model), strict=not arch.tie_word_embeddings)
+    weight = model.lm_head.weight
+    config = AutoConfig.for_model(model.model_type, **model.hf_config())
+    hf_model = AutoModelForCausalLM.from_config(config).to(device=weight.device, dtype=weight.dtype).eval()
+    hf_model.load_state_dict(unpacked_state_dict(model))
     return hf_model
 
 
-def unfused_state_dict(model: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under Hugging Face's names, fused projections split back."""
-    attn = model.model.layers[0].self_attn
-    sizes = {"qkv_proj": [attn.q_size, attn.kv_size, attn.kv_size],
-             "gate_up_proj": [model.arch.intermediate_size] * 2}
-    parts = {fused: [hf for hf, (f, _) in FUSED.items() if f == fused] for fused in sizes}
-    state = {}
+def unpacked_state_dict(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters under Hugging Face's names, each PackedLinear split back into its projections."""
+    projection = {packed: name for name, packed in model.packed_modules_mapping.items()}  # (packed, shard) -> name
+    modules, state = dict(model.named_modules()), {}
     for name, tensor in model.state_dict().items():
-        fused = next((f for f in sizes if f".{f}." in name), None)
-        if fused is None:
+        module_path, _, leaf = name.rpartition(".")
+        module = modules[module_path]
+        if not isinstance(module, PackedLinear):
             state[name] = tensor
             continue
-        for hf_part, piece in zip(parts[fused], tensor.split(sizes[fused])):
-            state[name.replace(fused, hf_part)] = piece
+        parent, _, packed = module_path.rpartition(".")
+        for shard in range(len(module.output_sizes)):
+            state[f"{parent}.{projection[packed, shard]}.{leaf}"] = module.shard(tensor, shard)
     return state

@@ -1,4 +1,4 @@
-"""Triton versions of the three paged-KV ops (contracts: ops/reference.py and DESIGN.md).
+"""Triton versions of the three paged-KV ops (contracts: ops/paged_attention_reference.py and DESIGN.md).
 
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping)                  (in place)
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -8,8 +8,7 @@
 
 None of them synchronises with the host: grids and split counts come from shapes (and from the
 optional CPU-side hints), never from the values of seq_lens / cu_seqlens_q, so they can be captured
-in CUDA graphs. They are registered as torch.library custom ops (namespace ``minipaged``) so that
-torch.compile treats them as opaque calls with known fake (meta) implementations.
+in CUDA graphs.
 
 Kernels:
 - write_kv_cache: one program per new token, scattering its [Hkv, D] rows (skipped when slot < 0).
@@ -66,7 +65,7 @@ def _write_kv_kernel(
              v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def _write_kv_cache_impl(key, value, key_cache, value_cache, slot_mapping):
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     T = key.shape[0]
     if T == 0:
         return
@@ -384,7 +383,11 @@ def launch_reduce(partials, out, num_slots, ctx_start=None, num_prefix_slots=0):
     )
 
 
-def _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None, num_splits=None):
+def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
+                           max_seq_len: Optional[int] = None, num_splits: Optional[int] = None):
+    """max_seq_len: optional CPU-side bound of seq_lens; it only sizes the split-KV grid (results are
+    right whatever its value, since each split's range is computed in the kernel from seq_len).
+    num_splits: force the number of KV partitions (tests, benchmarks); None picks it from shapes."""
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     out = torch.empty_like(q)
@@ -499,7 +502,10 @@ def query_tile(cfg, G, max_rows, on_gpu):
     return BLOCK_M, BLOCK_Q
 
 
-def _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None):
+def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                            max_seqlen_q: Optional[int] = None):
+    """max_seqlen_q: optional CPU-side upper bound of the query lengths; only picks a smaller query
+    tile for short chunks. Without it the kernel still needs no host synchronisation."""
     T, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     out = torch.empty_like(q)
@@ -519,78 +525,3 @@ def _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_len
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
-
-
-# --------------------------------------------------------------------------------------------
-# registration as torch.library custom ops (opaque to torch.compile, capturable in CUDA graphs)
-# --------------------------------------------------------------------------------------------
-@torch.library.custom_op("minipaged::write_kv_cache", mutates_args=("key_cache", "value_cache"))
-def _write_kv_cache_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _write_kv_cache_impl(key, value, key_cache, value_cache, slot_mapping)
-
-
-@_write_kv_cache_op.register_fake
-def _(key, value, key_cache, value_cache, slot_mapping):
-    return None
-
-
-@torch.library.custom_op("minipaged::paged_attention_decode", mutates_args=())
-def _decode_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-               max_seq_len: Optional[int] = None, num_splits: Optional[int] = None) -> torch.Tensor:
-    return _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, num_splits)
-
-
-@_decode_op.register_fake
-def _(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None, num_splits=None):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("minipaged::paged_attention_prefill", mutates_args=())
-def _prefill_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                scale: float, max_seqlen_q: Optional[int] = None) -> torch.Tensor:
-    return _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
-
-
-@_prefill_op.register_fake
-def _(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None):
-    return torch.empty_like(q)
-
-
-# --------------------------------------------------------------------------------------------
-# public functions (same positional arguments as ops/reference.py)
-# --------------------------------------------------------------------------------------------
-# Outside torch.compile tracing the ops call their implementations directly: the custom-op
-# dispatcher costs ~15 us of CPU per call, which short eager calls would feel (CUDA-graph capture
-# needs no dispatcher either). Under torch.compile they go through torch.ops.minipaged.*.
-_compiling = torch.compiler.is_compiling
-
-
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
-    if _compiling():
-        torch.ops.minipaged.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        _write_kv_cache_impl(key, value, key_cache, value_cache, slot_mapping)
-
-
-def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                           max_seq_len: Optional[int] = None, num_splits: Optional[int] = None):
-    """max_seq_len: optional CPU-side bound of seq_lens; it only sizes the split-KV grid (results are
-    right whatever its value, since each split's range is computed in the kernel from seq_len).
-    num_splits: force the number of KV partitions (tests, benchmarks); None picks it from shapes."""
-    if _compiling():
-        return torch.ops.minipaged.paged_attention_decode(
-            q, key_cache, value_cache, block_tables, seq_lens, float(scale), max_seq_len, num_splits)
-    return _decode_impl(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, num_splits)
-
-
-def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                            max_seqlen_q: Optional[int] = None):
-    """max_seqlen_q: optional CPU-side upper bound of the query lengths; only picks a smaller query
-    tile for short chunks. Without it the kernel still needs no host synchronisation."""
-    if _compiling():
-        return torch.ops.minipaged.paged_attention_prefill(
-            q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale), max_seqlen_q)
-    return _prefill_impl(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q)
