@@ -60,11 +60,6 @@ def write_atomic(table: pa.Table, path: Path, cfg=None, extra: dict[bytes, bytes
         pq.write_table(table.replace_schema_metadata(schema_with_metadata(table.schema, cfg, extra).metadata), tmp)
 
 
-def read_config(path: Path) -> dict:
-    meta = pq.read_schema(path).metadata or {}
-    return json.loads(meta.get(META_CONFIG, b"{}"))
-
-
 def schema_version(schema: pa.Schema) -> str | None:
     """The project's schema version of a file with this schema; None for a file we did not write."""
     value = (schema.metadata or {}).get(META_VERSION)

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from jobs import JobError
 from jobs.inputs import fingerprint_change
-from jobs.parquet import META_CONFIG, OutputError, atomic_path, schema_with_metadata, write_atomic
+from jobs.parquet import META_CONFIG, OutputError, atomic_path, flatten, schema_with_metadata, write_atomic
 
 log = logging.getLogger("minipaged")
 PART_GLOB = "part-*.parquet"
@@ -74,18 +74,9 @@ def generations_schema(id_type: pa.DataType, kept: list[pa.Field] = (), logprobs
     return pa.schema([("id", id_type), *RESULT_FIELDS, *asked, *kept])
 
 
-def _flatten(tree, prefix: str = "") -> dict:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}.{key}" if prefix else key))
-    return out
-
-
 def output_settings(config: dict) -> dict:
     """The flattened settings of OUTPUT_SETTINGS from a resolved config (a plain dict)."""
-    flat = _flatten(config)
+    flat = flatten(config)
     return {k: v for k, v in flat.items()
             if any(k == s or k.startswith(s + ".") for s in OUTPUT_SETTINGS) and k not in IGNORED_SETTINGS}
 
