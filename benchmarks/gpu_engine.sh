@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
-# Sections: tests nano long topp shared profile baseline sweep (default: tests nano long topp shared profile).
+# Sections: tests nano long topp shared models samples logprobs profile baseline sweep
+# (default: tests nano long topp shared profile).
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
 # TESTS_K: a pytest -k filter for the tests section (default: the whole suite); PROFILE: profile_decode.py's
-# SEQS:CONTEXT list; BENCH_ARGS: extra overrides for every bench run.
+# SEQS:CONTEXT list; BENCH_ARGS: extra overrides for every bench run; MODEL: the model (default qwen3-0.6b).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
 sections=${*:-tests nano long topp shared profile}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 want() { [[ " $sections " == *" $1 "* ]]; }
 show() { python3 -c "import pyarrow.parquet as pq, sys; r = pq.read_table(sys.argv[1]).to_pylist()[0]; print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()})" "$1"; }
-bench() { name=$1; shift; echo "== $name $*" | tee -a "$out/bench.log"; python3 -m engine.run job=bench model=qwen3-0.6b \
+bench() { name=$1; shift; echo "== $name $*" | tee -a "$out/bench.log"; python3 -m engine.run job=bench model=${MODEL:-qwen3-0.6b} \
   hydra.run.dir=$runs/$name ${BENCH_ARGS:-} "$@" 2>&1 | grep -v '^\s*$' | tail -4 | tee -a "$out/bench.log"
   show $runs/$name/summary.parquet | tee -a "$out/bench.log"; }
 steps() { python3 - "$1" <<'PY' | tee -a "$out/bench.log"
@@ -22,6 +23,8 @@ summary = pq.read_table(Path(sys.argv[1]).with_name("summary.parquet")).to_pylis
 for phase in ("prefill", "mixed", "decode"):
     sel = [r for r in rows if r["phase"] == phase]
     print(f"{phase}: {len(sel)} steps, {sum(r['step_time_s'] for r in sel):.3f} s, {sum(r['tokens'] for r in sel)} tokens")
+print(f"prompt tokens {summary['prompt_tokens']}, computed in prefill {sum(r['num_prefill_tokens'] for r in rows)}, "
+      f"prefix-cache hits {sum(r['prefix_cache_hit_tokens'] for r in rows)}")
 print("slowest steps:", [(r["step"], r["phase"], r["seqs"], round(r["step_time_s"] * 1e3, 1)) for r in sorted(rows, key=lambda r: -r["step_time_s"])[:8]])
 import numpy as np  # step time as fixed + per decode row + per prefill token + per stored token (steps under 0.5 s)
 for phase in ("mixed", "decode"):
@@ -47,6 +50,9 @@ want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp 
 want long && { bench long job.workload=long; steps $runs/long/steps.parquet; cp $runs/long/steps.parquet "$out/long_steps.parquet"; }
 want topp && { bench long_topp job.workload=long sampling.top_p=0.95 sampling.top_k=20; steps $runs/long_topp/steps.parquet; }
 want shared && { bench shared job.workload=shared_prefix; steps $runs/shared/steps.parquet; cp $runs/shared/steps.parquet "$out/shared_steps.parquet"; }
+want models && for m in llama-3.2-1b qwen2.5-0.5b; do MODEL=$m bench nano_$m job.workload=nano; done
+want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }
+want logprobs && bench nano_logprobs job.workload=nano sampling.logprobs=5
 want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"
 if want baseline; then
   bench hf256 job.num_prompts=256 job.input_len=[100,1024] job.output_len=[256,256] job.baseline=hf
