@@ -1,4 +1,4 @@
-"""MiniPaged: offline batch generation for Qwen3 around a paged KV cache.
+"""MiniPaged: offline batch generation for Qwen3, Qwen2 and Llama 3 around a paged KV cache.
 
     from engine import LLM, SamplingParams      # the Python API (engine/llm.py)
 
