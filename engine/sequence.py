@@ -58,6 +58,10 @@ class Sequence:
     finish_reason: str | None = None  # stop | length
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its known full blocks
+    output_logprobs: list[float] = field(default_factory=list)  # logprob of each output token (logprobs=k)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # k most likely per output (k > 0)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token, None first
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # k > 0, None first
 
     @property
     def num_tokens(self) -> int:
