@@ -229,11 +229,13 @@ class StepLogprobs:
         self.segments = segments
         self._targets = self._tops = None
 
-    def _lists(self) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        """Per row: the target's logprob, and the top (id, logprob) pairs; made once, for all rows."""
+    def _lists(self) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+        """Per row: the target's logprob, and the top (id, logprob) pairs; made once, for all rows.
+        Tuples, not lists: the cyclic GC stops tracking tuples of numbers, while a list per token
+        made its full collections stall the host for ~0.1 s in a run of nano's size."""
         if self._targets is None:
             targets, top, ids = ops.unpack_logprobs(self.host)
-            self._targets, self._tops = targets.tolist(), [list(zip(i, v)) for i, v in zip(ids.tolist(), top.tolist())]
+            self._targets, self._tops = targets.tolist(), [tuple(zip(i, v)) for i, v in zip(ids.tolist(), top.tolist())]
         return self._targets, self._tops
 
     def add_output(self, seq: Sequence, row: int) -> None:

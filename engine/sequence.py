@@ -59,9 +59,9 @@ class Sequence:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its known full blocks
     output_logprobs: list[float] = field(default_factory=list)  # logprob of each output token (logprobs=k)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # k most likely per output (k > 0)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # k most likely (k > 0)
     prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token, None first
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # k > 0, None first
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] = field(default_factory=list)  # k > 0
 
     @property
     def num_tokens(self) -> int:
