@@ -12,7 +12,18 @@ ops/sampling_reference.py, which defines the kept set by tie groups (the old sam
 sort position, so it is timed, not compared). Rows whose kept set depends on float32 rounding (a
 token's mass within 1e-5 of top_p) are counted apart. Exit status 1 when a row disagrees. On a
 machine without CUDA it says so and exits with 0.
+
+Then the sampler's other features on the same logits (issue 8), microseconds per call: min_p 0.05
+(sample, checked against the reference); logprobs k=5 (ops.logprobs after a draw: its Triton kernel,
+checked against the reference, and the reference's torch ops for comparison); min_tokens (two banned
+ids per row) and penalties (repetition 1.1, presence 0.3, frequency 0.3 over 1,024-token histories)
+added to a temperature-only draw.
+
+python3 benchmarks/sampling.py --nano: the nano workload through the engine (Qwen3-0.6B shape, random
+weights) in rounds alternating logprobs None and 5, output tok/s of each and their ratio (the issue
+allows logprobs=5 to cost 5%).
 """
+import dataclasses
 import os
 import sys
 import time
@@ -21,8 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ops  # noqa: E402
-from engine.sampler import SamplingTensors, sample  # noqa: E402
-from engine.sequence import SamplingParams  # noqa: E402
+from engine.sampler import SamplingTensors, TokenHistory, sample  # noqa: E402
+from engine.sequence import SamplingParams, Sequence  # noqa: E402
+from ops import sampling_reference  # noqa: E402
 from ops.sampling_reference import gumbel_scores  # noqa: E402
 
 VOCAB, BATCHES, TEMPERATURE = 151936, (1, 64, 256), 0.7
@@ -75,7 +87,7 @@ def check(logits, t):
     """(rows equal to the reference, rows compared): near-boundary rows are left out."""
     drawn = sample(logits, t).cpu()
     expected = ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step,
-                                      backend="torch").cpu()
+                                      backend="torch", min_p=t.min_p).cpu()
     compared = ~near_boundary(logits, t)
     return int((drawn == expected)[compared].sum()), int(compared.sum())
 
@@ -113,9 +125,82 @@ def main():
                     failures += not same
                     print(f"{dist:7} {'temperature via top-k/top-p':28} {batch:5d} {'':9} {us:9.1f} {'':8}  "
                           f"{'same as gumbel_sample' if same else 'DIFFERS from gumbel_sample'}", flush=True)
+        failures += features(dist, all_logits, do_bench)
     print(f"{'all rows agree' if not failures else f'{failures} cases DISAGREE'}; {time.time() - start:.0f} s")
     return failures
 
 
+def penalised_tensors(batch, history_len=1024):
+    """Temperature-only rows with the three penalties, their TokenHistory filled with random tokens."""
+    params = SamplingParams(temperature=TEMPERATURE, repetition_penalty=1.1, presence_penalty=0.3,
+                            frequency_penalty=0.3)
+    history = TokenHistory(2 * history_len, "cuda")
+    seqs = [Sequence(i, str(i), torch.randint(0, VOCAB, (history_len // 2,)).tolist(), params, 2 * history_len,
+                     torch.randint(0, VOCAB, (history_len // 2,)).tolist()) for i in range(batch)]
+    penalised = history.rows(seqs, None)
+    return SamplingTensors.build([params] * batch, [history_len // 2] * batch, VOCAB, "cuda", (), penalised)
+
+
+def features(dist, all_logits, do_bench):
+    """min_p, logprobs, min_tokens and penalties at each batch size; returns the rows that disagree."""
+    failures = 0
+    for batch in BATCHES:
+        logits = all_logits[:batch]
+        bench = lambda fn: 1e3 * do_bench(fn, return_mode="median")  # noqa: E731
+        params = [SamplingParams(temperature=TEMPERATURE, min_p=0.05, seed=i) for i in range(batch)]
+        t = SamplingTensors.build(params, [7] * batch, VOCAB, "cuda")
+        equal, compared = check(logits, t)
+        failures += equal != compared
+        print(f"{dist:7} {'min_p=0.05':28} {batch:5d} {'':9} {bench(lambda: sample(logits, t)):9.1f} {'':8}  "
+              f"{equal}/{compared}", flush=True)
+        plain = tensors(batch, -1, 1.0)
+        tokens = sample(logits, plain)
+        got, expected = ops.logprobs(logits, tokens, 5), sampling_reference.logprobs(logits, tokens, 5)
+        same = [torch.equal(a, b) if a.dtype == torch.int32 else torch.allclose(a, b, atol=1e-4)
+                for a, b in zip(ops.unpack_logprobs(got), ops.unpack_logprobs(expected))]
+        failures += not all(same)
+        print(f"{dist:7} {'logprobs=5 (after a draw)':28} {batch:5d} "
+              f"{bench(lambda: sampling_reference.logprobs(logits, tokens, 5)):9.1f} "
+              f"{bench(lambda: ops.logprobs(logits, tokens, 5)):9.1f} {'':8}  "
+              f"{'same as the reference' if all(same) else 'DIFFERS from the reference'} (left: torch ops)", flush=True)
+        banning = SamplingTensors.build([SamplingParams(temperature=TEMPERATURE, min_tokens=8, seed=i)
+                                         for i in range(batch)], [7] * batch, VOCAB, "cuda", (151643, 151645))
+        print(f"{dist:7} {'temperature + min_tokens':28} {batch:5d} {bench(lambda: sample(logits, plain)):9.1f} "
+              f"{bench(lambda: sample(logits, banning)):9.1f} {'':8}  (left: without)", flush=True)
+        penalised = penalised_tensors(batch)
+        print(f"{dist:7} {'temperature + penalties':28} {batch:5d} {bench(lambda: sample(logits, plain)):9.1f} "
+              f"{bench(lambda: sample(logits, penalised)):9.1f} {'':8}  (left: without)", flush=True)
+    return failures
+
+
+def nano(rounds=2):
+    """Output tok/s of the nano workload with logprobs None and 5, rounds of each, alternating."""
+    from benchmarks.profile_decode import bench_engine
+    from jobs.bench import workload
+    from jobs.generate import default_sampling
+
+    engine = bench_engine("job.workload=nano")
+    requests = workload(engine.cfg.job, default_sampling(engine.cfg), engine.model.arch.vocab_size)
+    results = {None: [], 5: []}
+    with torch.inference_mode():
+        for round_ in range(rounds):
+            for k in results:
+                for i, (prompt, params) in enumerate(requests):
+                    engine.add_request(f"{round_}-{k}-{i}", prompt, dataclasses.replace(params, logprobs=k))
+                start = time.perf_counter()
+                out = sum(len(s.output_token_ids) for s in engine.run())
+                results[k].append(out / (time.perf_counter() - start))
+                print(f"round {round_}, logprobs {k}: {results[k][-1]:.0f} output tok/s", flush=True)
+                engine.block_manager.reset_prefix_cache()
+    ratio = max(results[5]) / max(results[None])
+    print(f"best of {rounds}: logprobs=5 at {100 * ratio:.1f}% of the output tok/s without ({100 * (1 - ratio):.1f}% lost)")
+
+
 if __name__ == "__main__":
+    if "--nano" in sys.argv:
+        if not torch.cuda.is_available():
+            print("benchmarks/sampling.py --nano needs CUDA: nothing timed")
+            sys.exit(0)
+        nano()
+        sys.exit(0)
     sys.exit(1 if main() else 0)

@@ -12,6 +12,7 @@ from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.detokenizer import IncrementalDetokenizer
 from engine.generation_config import read_generation_config, stop_ids
 from engine.models.loader import build_model, resolve_model_path
+from engine.sampler import MAX_LOGPROBS, scores_prompt
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.stats import StatsRecorder, snapshot
@@ -82,7 +83,8 @@ class LLMEngine:
         self.block_manager = KVBlockManager(num_blocks, self.block_size, self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
         graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
+                                  self.eos_token_ids)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
         self._in_flight: InFlight | None = None
@@ -101,8 +103,8 @@ class LLMEngine:
         vocab = self.model.arch.vocab_size
         for i in range(num_seqs):  # distinct prompts: prefix-cache hits would shrink the prefill step
             tokens = max(1, min(i + 1, room - prompt))
-            self.add_request(f"warm-up-{i}", [i % vocab] * prompt,
-                             SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True))
+            self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their kernels compile here
+                             SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=MAX_LOGPROBS))
         list(self.run())
         self.block_manager.reset_prefix_cache()
         self.stats = StatsRecorder()  # the warm-up is not part of the run
@@ -124,8 +126,7 @@ class LLMEngine:
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
         samples = [Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling.sample(i),
                             max_num_tokens, sample_index=i) for i in range(sampling.n)]
-        if sampling.prompt_logprobs is None:
-            self._hash_known_blocks(samples[0])
+        self._hash_known_blocks(samples[0])
         for seq in samples:
             seq.block_hashes = list(samples[0].block_hashes)
             if sampling.stop:
@@ -140,8 +141,9 @@ class LLMEngine:
         return first
 
     def _hash_known_blocks(self, seq: Sequence) -> None:
-        """Extend seq.block_hashes over the full blocks whose tokens are all known (prefix caching)."""
-        if not self.prefix_caching:
+        """Extend seq.block_hashes over the full blocks whose tokens are all known (prefix caching). A
+        sequence still scoring its prompt gets none: a prefix-cache hit would skip prompt positions."""
+        if not self.prefix_caching or scores_prompt(seq):
             return
         start = len(seq.block_hashes) * self.block_size
         extend_block_hashes(seq.block_hashes, seq.token_slice(start, seq.num_known_tokens), self.block_size)
@@ -195,11 +197,15 @@ class LLMEngine:
 
     def _resolve(self, step: InFlight) -> list[Sequence]:
         """Fill in the tokens of a finished step and retire the sequences they end."""
-        finished = []
-        for seq, index, token in zip(step.seqs, step.output_index, self.runner.tokens(step)):
+        finished, tokens, logprobs = [], self.runner.tokens(step), step.logprobs
+        if logprobs is not None:
+            logprobs.add_prompts()
+        for row, (seq, index, token) in enumerate(zip(step.seqs, step.output_index, tokens)):
             if seq.status is Status.FINISHED:
                 continue  # stopped by the token before: this one was drawn past the end
             seq.output_token_ids[index] = token
+            if logprobs is not None:
+                logprobs.add_output(seq, row)
             reason = self._finish_reason(seq, token, index)
             if reason:
                 seq.truncate_outputs(index + 1)  # a token drawn after the stop, still in flight

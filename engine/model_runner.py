@@ -3,28 +3,34 @@
 Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
 on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode-only
 steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode batches above the
-largest graph, run eagerly. Only the last position of each sequence that draws a token gets logits.
+largest graph, run eagerly. Only the last position of each sequence that draws a token gets logits, and
+the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time).
 """
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+import ops
 from engine.attention import AttentionMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.sampler import SamplingTensors, sample
+from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, sample, to_host
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
+
+PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
 
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
-                 device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0):
+                 device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0, eos_token_ids=()):
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
+        self.eos_token_ids = tuple(eos_token_ids)  # banned before min_tokens
         self.pin = device.type == "cuda"
+        self.history = TokenHistory(max_blocks_per_seq * block_manager.block_size, device)
         self.graphs = None
         if device.type == "cuda" and max_graph_batch > 0:
             self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device)
@@ -69,12 +75,49 @@ class ModelRunner:
             self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
         drawing = [s for s, draws in zip(batch.seqs, batch.draws) if draws]
-        if not drawing:  # only prefill chunks that end before their prompt does
+        segments = self._prompt_segments(batch, len(drawing))
+        if not drawing and not segments:  # only prefill chunks that end before their prompt does
             return None
         logits = self.model.compute_logits(hidden[sampled_rows])
+        penalised = self.history.rows(drawing, previous)
         params = SamplingTensors.build([s.sampling for s in drawing], [len(s.output_token_ids) for s in drawing],
-                                       self.model.arch.vocab_size, self.device)
-        return InFlight.start(sample(logits, params), drawing, list(range(len(drawing))))
+                                       self.model.arch.vocab_size, self.device, self.eos_token_ids, penalised)
+        tokens = sample(logits, params)
+        if params.penalties is not None:
+            self.history.record(params.penalties, tokens)
+        asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]
+        k = max((a for a in asked if a is not None), default=None)
+        logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
+        return InFlight.start(tokens, drawing, list(range(len(drawing))), logprobs)
+
+    @staticmethod
+    def _prompt_segments(batch: ScheduledBatch, num_drawing: int) -> list[PromptSegment]:
+        """The rows of the step's prefill chunks that score prompt tokens, for sequences that ask for
+        prompt_logprobs; a chunk at position 0 has a segment even without rows (the first token's
+        None). Segment rows follow the drawing sequences' rows in the step's logprobs."""
+        asking = [i for i in range(batch.num_decode_seqs, len(batch.seqs))
+                  if batch.seqs[i].sampling.prompt_logprobs is not None]
+        segments, row = [], num_drawing
+        batch_rows = np.cumsum([0] + batch.num_new_tokens[:-1]).tolist() if asking else []
+        for i in asking:
+            seq, start = batch.seqs[i], batch.seqs[i].num_computed_tokens
+            length = max(min(start + batch.num_new_tokens[i], len(seq.prompt_token_ids) - 1) - start, 0)
+            if length > 0 or start == 0:
+                segments.append(PromptSegment(seq, start, row, length, batch_rows[i]))
+                row += length
+        return segments
+
+    def _logprobs(self, logits, tokens, hidden, segments: list[PromptSegment], k: int) -> torch.Tensor:
+        """ops.logprobs of the drawn tokens, then of the prompt tokens that the segments' rows score
+        (their logits made PROMPT_ROWS rows at a time)."""
+        parts = [ops.logprobs(logits, tokens, k)]
+        if any(s.length for s in segments):
+            rows = np.concatenate([np.arange(s.batch_row, s.batch_row + s.length) for s in segments])
+            targets = np.concatenate([s.seq.prompt_token_ids[s.start + 1:s.start + 1 + s.length] for s in segments])
+            rows, targets = self._to_device(rows.astype(np.int64)), self._to_device(targets.astype(np.int64))
+            parts += [ops.logprobs(self.model.compute_logits(hidden[rows[i:i + PROMPT_ROWS]]),
+                                   targets[i:i + PROMPT_ROWS], k) for i in range(0, rows.shape[0], PROMPT_ROWS)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _fill_placeholders(self, batch: ScheduledBatch, input_ids: torch.Tensor, previous: "InFlight") -> None:
         ends = np.cumsum(batch.num_new_tokens) - 1
@@ -102,19 +145,19 @@ class InFlight:
     rows_drawn: list[int]
     device_tokens: torch.Tensor
     host_tokens: torch.Tensor
+    logprobs: StepLogprobs | None  # its host copy is enqueued before `copied` is recorded
     copied: "torch.cuda.Event | None"
 
     @classmethod
-    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], rows_drawn: list[int]) -> "InFlight":
+    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], rows_drawn: list[int],
+              logprobs: StepLogprobs | None = None) -> "InFlight":
+        host_tokens = to_host(device_tokens)
         copied = None
-        host_tokens = device_tokens
         if device_tokens.is_cuda:
-            host_tokens = torch.empty(device_tokens.shape, dtype=device_tokens.dtype, pin_memory=True)
-            host_tokens.copy_(device_tokens, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
         return cls(seqs, [len(s.output_token_ids) for s in seqs], {s.seq_id: r for s, r in zip(seqs, rows_drawn)},
-                   rows_drawn, device_tokens, host_tokens, copied)
+                   rows_drawn, device_tokens, host_tokens, logprobs, copied)
 
 
 @torch.inference_mode()

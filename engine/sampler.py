@@ -1,22 +1,62 @@
-"""Sampling on the logits' device: greedy at temperature 0, else temperature, top-k and top-p.
+"""Sampling on the logits' device: logit processors (min_tokens, penalties), then greedy at temperature
+0, else temperature with top-k, top-p and min-p; and the raw log-probabilities of the logits.
 
 Randomness comes from a counter-based hash of (request seed, output index, token id), not from a
 generator's state, so a request's tokens depend only on its own seed and logits: the same seed gives
 the same output whatever else is in the batch, and after a preemption the recomputed step draws the
 same noise again. Sampling is Gumbel-max: argmax(logits / T + G) with G = -log(-log U) picks token i
-with probability softmax(logits / T)_i; with top-k/top-p the argmax runs over the kept set, which
+with probability softmax(logits / T)_i; with top-k/top-p/min-p the argmax runs over the kept set, which
 picks a token with its probability renormalised over that set. Ties of logit values are kept or
 dropped together (ops/sampling_reference.kept_mask). On CUDA both are Triton kernels that never sort
 the vocabulary (ops/sampling.py); on CPU the PyTorch references.
+
+Order, as vLLM's: log-probabilities come from the raw logits (log_softmax before any processing);
+then EOS and stop ids are banned (-inf) for rows with fewer than min_tokens outputs, then the
+repetition, presence and frequency penalties (ops.apply_penalties), then temperature and truncation.
+A batch that uses none of the processors or logprobs pays nothing for them: SamplingTensors.build
+leaves their tensors None and sample() goes straight to the samplers.
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import ops
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, Sequence, Status
 
+MAX_LOGPROBS = 20  # the largest logprobs / prompt_logprobs k a request may ask for (OpenAI's and vLLM's)
 _MASK32 = 0xFFFFFFFF
+
+
+def has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether seq still needs logits at its prompt positions (prompt_logprobs asked, not all filled):
+    such a sequence must not take blocks from the prefix cache, whose positions are never computed."""
+    return seq.sampling.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
+
+
+def upload(array: np.ndarray, device) -> torch.Tensor:
+    """A host array on the device, without waiting for it (pinned staging on CUDA)."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else tensor
+
+
+@dataclass
+class Penalties:
+    """The penalised rows of a batch (device tensors [R]); their tokens are TokenHistory rows `slots`."""
+
+    rows: torch.Tensor  # int64: rows of the batch
+    slots: torch.Tensor  # int64: rows of token_ids
+    prompt_lens: torch.Tensor  # int64
+    num_tokens: torch.Tensor  # int64: tokens before the one being drawn (prompt + outputs, placeholder included)
+    repetition: torch.Tensor  # float32
+    presence: torch.Tensor  # float32
+    frequency: torch.Tensor  # float32
+    token_ids: torch.Tensor  # int32 [S, W]: TokenHistory.token_ids
+    width: int  # max(num_tokens): the columns of token_ids that hold tokens of these rows
 
 
 @dataclass
@@ -24,31 +64,212 @@ class SamplingTensors:
     temperature: torch.Tensor  # float32 [B]
     top_k: torch.Tensor  # int64 [B], vocab size when off
     top_p: torch.Tensor  # float32 [B]
+    min_p: torch.Tensor  # float32 [B]
     seed: torch.Tensor  # int64 [B]
     step: torch.Tensor  # int64 [B] index of the token being drawn
     all_greedy: bool
-    any_truncation: bool  # some top_k or top_p is active
+    any_truncation: bool  # some top_k, top_p or min_p is active
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) [N] int64 whose logits are -inf
+    penalties: Penalties | None
+    num_logprobs: int | None  # the largest logprobs k among the rows; None: no row asks
 
     @classmethod
-    def build(cls, params: list[SamplingParams], steps: list[int], vocab_size: int, device) -> "SamplingTensors":
-        """One host-to-device copy, which never waits for the device (every value fits float64 exactly)."""
+    def build(cls, params: list[SamplingParams], steps: list[int], vocab_size: int, device,
+              eos_token_ids=(), penalised: "PenaltyRows | None" = None) -> "SamplingTensors":
+        """One host-to-device copy, which never waits for the device (every value fits float64 exactly).
+        eos_token_ids: banned with a row's stop_token_ids while it has fewer than min_tokens outputs
+        (unless it ignores EOS); penalised: TokenHistory.rows of this batch."""
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        table = torch.tensor([[p.temperature for p in params], top_k, [p.top_p for p in params],
-                              [p.seed & _MASK32 for p in params], steps], dtype=torch.float64)
-        if torch.device(device).type == "cuda":
-            table = table.pin_memory().to(device, non_blocking=True)
+        table = [[p.temperature for p in params], top_k, [p.top_p for p in params], [p.min_p for p in params],
+                 [p.seed & _MASK32 for p in params], steps]
+        banned = [(row, t) for row, (p, step) in enumerate(zip(params, steps)) if step < p.min_tokens
+                  for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)]
+        host = [np.array(x, dtype=np.float64).reshape(-1)  # banned pairs as [2, N]: rows, then ids
+                for x in (table, np.array(banned).T, penalised.table(params) if penalised else [])]
+        table, banned_pairs, penalty_table = upload(np.concatenate(host), device).split([len(x) for x in host])
+        table = table.view(6, len(params))
         return cls(
-            temperature=table[0].float(), top_k=table[1].long(), top_p=table[2].float(),
-            seed=table[3].long(), step=table[4].long(),
+            temperature=table[0].float(), top_k=table[1].long(), top_p=table[2].float(), min_p=table[3].float(),
+            seed=table[4].long(), step=table[5].long(),
             all_greedy=all(p.temperature == 0 for p in params),
-            any_truncation=any(k < vocab_size for k in top_k) or any(p.top_p < 1 for p in params),
+            any_truncation=any(k < vocab_size for k in top_k) or any(p.top_p < 1 or p.min_p > 0 for p in params),
+            banned=tuple(banned_pairs.view(2, -1).long()) if banned else None,
+            penalties=penalised.on_device(penalty_table) if penalised else None,
+            num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
 
 
 def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Token ids [B] from logits [B, V] in the model's dtype (sampling math in float32)."""
+    """Token ids [B] from logits [B, V] in the model's dtype (sampling math in float32). The logits are
+    not modified (the processors work on a copy)."""
+    logits = _processed(logits, t)
     if t.all_greedy:
         return logits.argmax(dim=-1)
     if not t.any_truncation:  # one pass over the logits; rows at temperature 0 take the argmax
         return ops.gumbel_sample(logits, t.temperature, t.seed, t.step)
-    return ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step)
+    return ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step, min_p=t.min_p)
+
+
+def _processed(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The logits after min_tokens' bans and the penalties: a copy (float32 with penalties), or the
+    logits themselves when no row uses either."""
+    if t.banned is None and t.penalties is None:
+        return logits
+    logits = logits.to(torch.float32, copy=True) if t.penalties is not None else logits.clone()
+    if t.banned is not None:
+        logits.index_put_(t.banned, logits.new_full((), float("-inf")))  # a device scalar: no copy
+    if t.penalties is not None:
+        p = t.penalties
+        logits[p.rows] = ops.apply_penalties(logits[p.rows], p.token_ids[p.slots, :p.width], p.prompt_lens,
+                                             p.num_tokens, p.repetition, p.presence, p.frequency)
+    return logits
+
+
+@dataclass
+class PenaltyRows:
+    """The host's side of Penalties: the penalised rows of a batch, their slots and prompt lengths."""
+
+    rows: list[int]
+    slots: list[int]
+    prompt_lens: list[int]
+    num_tokens: list[int]
+    token_ids: torch.Tensor  # TokenHistory.token_ids
+
+    def table(self, params: list[SamplingParams]) -> list[list]:
+        chosen = [params[r] for r in self.rows]
+        return [self.rows, self.slots, self.prompt_lens, self.num_tokens, [p.repetition_penalty for p in chosen],
+                [p.presence_penalty for p in chosen], [p.frequency_penalty for p in chosen]]
+
+    def on_device(self, table: torch.Tensor) -> Penalties:
+        """Penalties from table()'s values on the device (float64 [7 * R])."""
+        table = table.view(7, -1)
+        return Penalties(*table[:4].long(), *table[4:].float(), token_ids=self.token_ids, width=max(self.num_tokens))
+
+
+class TokenHistory:
+    """The token ids of the sequences that draw with a penalty, on the device: token_ids int32 [slots,
+    width] holds one sequence per row (slot), its prompt then its outputs. A sequence takes a slot at
+    its first penalised draw, when its known tokens are copied (a placeholder's from the device tokens
+    of the step before), and keeps it until it has finished: each draw writes its token into the slot
+    on the device (record), so outputs never travel from the host and tokens still in flight count.
+    Slots of finished sequences are reclaimed when one is needed; rows grow by doubling. width: at
+    least max_model_len."""
+
+    def __init__(self, width: int, device):
+        self.width, self.device = width, device
+        self.token_ids = torch.zeros((0, width), dtype=torch.int32, device=device)
+        self._slots: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (sequence, slot)
+        self._free: list[int] = []
+
+    def rows(self, seqs: list[Sequence], previous) -> PenaltyRows | None:
+        """The penalised rows among seqs (a batch's drawing sequences), admitting those new to it;
+        previous: the InFlight step before (its device tokens fill placeholders)."""
+        rows = [i for i, s in enumerate(seqs) if has_penalty(s.sampling)]
+        if not rows:
+            return None
+        new = [seqs[i] for i in rows if seqs[i].seq_id not in self._slots]
+        if new:
+            self._admit(new, previous)
+        chosen = [seqs[i] for i in rows]
+        return PenaltyRows(rows, [self._slots[s.seq_id][1] for s in chosen], [len(s.prompt_token_ids) for s in chosen],
+                           [s.num_tokens for s in chosen], self.token_ids)
+
+    def record(self, penalties: Penalties, tokens: torch.Tensor) -> None:
+        """Write the tokens just drawn [B] at their positions."""
+        self.token_ids[penalties.slots, penalties.num_tokens] = tokens[penalties.rows].int()
+
+    def _admit(self, seqs: list[Sequence], previous) -> None:
+        if len(self._free) < len(seqs):
+            self._reclaim()
+        if len(self._free) < len(seqs):
+            self._grow(len(seqs) - len(self._free))
+        for seq in seqs:
+            self._slots[seq.seq_id] = (seq, self._free.pop())
+        known = [np.asarray(s.token_slice(0, s.num_known_tokens), dtype=np.int64) for s in seqs]
+        where = [self._slots[s.seq_id][1] * self.width + np.arange(len(k)) for s, k in zip(seqs, known)]
+        pairs = upload(np.stack([np.concatenate(where), np.concatenate(known)]), self.device)
+        self.token_ids.view(-1)[pairs[0]] = pairs[1].int()
+        waiting = [s for s in seqs if s.has_placeholder]
+        if waiting:
+            pairs = upload(np.array([[self._slots[s.seq_id][1] * self.width + s.num_tokens - 1 for s in waiting],
+                                     [previous.rows[s.seq_id] for s in waiting]], dtype=np.int64), self.device)
+            self.token_ids.view(-1)[pairs[0]] = previous.device_tokens[pairs[1]].int()
+
+    def _reclaim(self) -> None:
+        for seq_id in [i for i, (s, _) in self._slots.items() if s.status is Status.FINISHED]:
+            self._free.append(self._slots.pop(seq_id)[1])
+
+    def _grow(self, need: int) -> None:
+        old = self.token_ids.shape[0]
+        grown = torch.zeros((max(2 * old, old + need, 8), self.width), dtype=torch.int32, device=self.device)
+        grown[:old] = self.token_ids
+        self._free.extend(range(grown.shape[0] - 1, old - 1, -1))  # pop() takes the lowest first
+        self.token_ids = grown
+
+
+@dataclass
+class PromptSegment:
+    """Rows of one prefill chunk whose logits score prompt tokens: row r of the segment (position
+    start + r of the sequence) scores prompt token start + r + 1."""
+
+    seq: Sequence
+    start: int  # the chunk's first position
+    row: int  # the segment's first row in the step's logprobs
+    length: int
+    batch_row: int  # the chunk's first row in the step's tokens (hidden states)
+
+
+class StepLogprobs:
+    """A step's log-probabilities on their way to the host (ops.logprobs rows of one k): one row per
+    sequence that drew, in the step's order, then the rows of the prompt segments. The engine fills
+    the sequences' fields when it resolves the step: add_prompts, then add_output per drawn token."""
+
+    def __init__(self, device_rows: torch.Tensor, segments: list[PromptSegment]):
+        self.host = to_host(device_rows)
+        self.segments = segments
+        self._targets = self._tops = None
+
+    def _lists(self) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
+        """Per row: the target's logprob, and the top (id, logprob) pairs; made once, for all rows.
+        Tuples, not lists: the cyclic GC stops tracking tuples of numbers, while a list per token
+        made its full collections stall the host for ~0.1 s in a run of nano's size."""
+        if self._targets is None:
+            targets, top, ids = ops.unpack_logprobs(self.host)
+            self._targets, self._tops = targets.tolist(), [tuple(zip(i, v)) for i, v in zip(ids.tolist(), top.tolist())]
+        return self._targets, self._tops
+
+    def add_output(self, seq: Sequence, row: int) -> None:
+        k = seq.sampling.logprobs
+        if k is not None:
+            targets, tops = self._lists()
+            seq.output_logprobs.append(targets[row])
+            if k:
+                seq.top_logprobs.append(tops[row][:k])
+
+    def add_prompts(self) -> None:
+        """Fill the prompt logprobs of the segments (positions already filled, by a chunk computed
+        again after a preemption, are left as they are)."""
+        for seg in self.segments:
+            seq, k = seg.seq, seg.seq.sampling.prompt_logprobs
+            if seg.start == 0 and not seq.prompt_logprobs:  # the first token has no logprob
+                seq.prompt_logprobs.append(None)
+                if k:
+                    seq.prompt_top_logprobs.append(None)
+            done = len(seq.prompt_logprobs) - 1 - seg.start  # rows of this segment already filled
+            if done < 0:
+                raise AssertionError(f"request {seq.request_id}: prompt logprobs from position {seg.start} "
+                                     f"but only {len(seq.prompt_logprobs)} filled (a prefix-cache hit?)")
+            targets, tops = self._lists()
+            rows = slice(seg.row + done, seg.row + seg.length)
+            seq.prompt_logprobs.extend(targets[rows])
+            if k:
+                seq.prompt_top_logprobs.extend(top[:k] for top in tops[rows])
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in pinned host memory, without waiting (the CPU tensor itself on CPU)."""
+    if not tensor.is_cuda:
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

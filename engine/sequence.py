@@ -160,11 +160,11 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None for EOS)
     detokenizer: "IncrementalDetokenizer | None" = None  # only when sampling.stop is set
     output_text: str | None = None  # set when a stop string ended it: the text, cut; else decode the token ids
-    # Filled by the sampler (engine/sampler.py) when sampling.logprobs / prompt_logprobs is not None:
-    output_logprobs: list[float] = field(default_factory=list)  # one per output token, of the token drawn
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output token: k (id, logprob)
-    prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token; None for the first
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)  # k per prompt token
+    # filled by the sampler (engine/sampler.py) when sampling.logprobs / prompt_logprobs is set:
+    output_logprobs: list[float] = field(default_factory=list)  # logprob of each output token (logprobs=k)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # k most likely (k > 0)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token, None first
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] = field(default_factory=list)  # k > 0
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,8 @@
 Each takes backend=None|"triton"|"torch": None picks Triton for CUDA tensors and the PyTorch reference
 otherwise. Each family is a pair of modules: the Triton kernels in ops/<family>.py and their readable
 PyTorch versions, which state the contracts, in ops/<family>_reference.py (paged_attention, fused,
-sampling; cascade.py is the Triton side of paged_attention_reference.cascade_attention_decode). See
+sampling; cascade.py is the Triton side of paged_attention_reference.cascade_attention_decode, and
+logprob_kernels.py of sampling_reference.logprobs). See
 also DESIGN.md. The Triton modules are imported only when asked for: triton is optional on CPU.
 """
 import importlib
@@ -99,7 +100,33 @@ def gumbel_sample(logits, temperature, seed, step, backend=None):
     return _pick(backend, logits, "sampling").gumbel_sample(logits, temperature, seed, step)
 
 
-def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend=None):
-    """The same draw over the kept set of top-k and top-p (ties of logit values kept together:
-    ops/sampling_reference.kept_mask); top_k int64 [B] (>= V: off), top_p float32 [B] (1: off)."""
-    return _pick(backend, logits, "sampling").top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend=None, *, min_p=None):
+    """The same draw over the kept set of top-k, top-p and min-p (ties of logit values kept together:
+    ops/sampling_reference.kept_mask); top_k int64 [B] (>= V: off), top_p float32 [B] (1: off), min_p
+    float32 [B] (0 or None: off)."""
+    return _pick(backend, logits, "sampling").top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step,
+                                                                 min_p=min_p)
+
+
+def logprobs(logits, targets, k, backend=None):
+    """Raw log-probabilities, packed for one copy to the host: logits [N, V] of any float dtype, targets
+    int64 [N], 0 <= k <= 32 -> float32 [N, 1 + 2k]: log_softmax(logits)[target], the k largest
+    log-probabilities (descending; ties: smaller id first), their ids as int32 bits (unpack_logprobs)."""
+    impl = importlib.import_module("ops.logprob_kernels" if _use_triton(backend, logits) else "ops.sampling_reference")
+    return impl.logprobs(logits, targets, k)
+
+
+def unpack_logprobs(packed):
+    """logprobs' output [N, 1 + 2k] -> (target logprob [N], top logprobs [N, k], top ids int32 [N, k])."""
+    k = (packed.shape[1] - 1) // 2
+    return packed[:, 0], packed[:, 1:1 + k], packed.view(torch.int32)[:, 1 + k:]
+
+
+def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, presence, frequency):
+    """Repetition (over prompt and outputs), presence and frequency (over outputs) penalties as batched
+    torch ops on any device (ops/sampling_reference.apply_penalties): logits float32 [R, V], token_ids
+    [R, W] (row r's tokens: its first num_tokens[r], of which prompt_lens[r] are its prompt) -> [R, V]."""
+    from ops import sampling_reference
+
+    return sampling_reference.apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, presence,
+                                              frequency)

@@ -1,8 +1,8 @@
 """Triton sampling kernels (contracts and PyTorch references: ops/sampling_reference.py).
 
     gumbel_sample(logits[B,V], temperature[B] f32, seed[B] i64, step[B] i64, num_splits=None) -> i64 [B]
-    top_k_top_p_sample(logits[B,V], temperature[B] f32, top_k[B] i64, top_p[B] f32, seed[B], step[B])
-        -> i64 [B]
+    top_k_top_p_sample(logits[B,V], temperature[B] f32, top_k[B] i64, top_p[B] f32, seed[B], step[B],
+                       min_p[B] f32 | None) -> i64 [B]
     uniform_noise(seed[B], step[B], token_ids[B,V]) -> f32 [B,V]   (the noise, for tests)
 
 Logits of any float dtype are widened to float32 as they are read. The noise is computed in the
@@ -35,7 +35,8 @@ Four launches:
  4. _finish_kernel, per marked row: the rounds from the best score. A candidate above G is settled
     on R in registers; below G, a count pass over the row tests it, and the next candidate comes
     from the chains when they determine it, else from a noise pass over the row (rare).
-The test of a candidate is one function (_kept); issue 8's min_p would add `e_w >= min_p` there.
+The test of a candidate is one function (_kept): top-k, top-p and min-p (the candidate's weight
+e_w = exp2((l_w - max) * c) against min_p).
 """
 from typing import Optional
 
@@ -315,19 +316,20 @@ def _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c, key, temp
 
 
 @triton.jit
-def _kept(count, mass, k, p, z):
-    """Whether a token with `count` logits and `mass` of exp2 weight strictly above its own is in K."""
-    return (count == 0) | ((count < k) & ((p >= 1.0) | (mass <= p * z)))
+def _kept(count, mass, l_w, top, c, k, p, min_p, z):
+    """Whether a token of logit l_w, with `count` logits and `mass` of exp2 weight strictly above its
+    own, is in K (row max `top`, c = log2(e) / T)."""
+    return (count == 0) | ((count < k) & ((p >= 1.0) | (mass <= p * z)) & (tl.exp2((l_w - top) * c) >= min_p))
 
 
 @triton.jit
-def _rounds(vals, ids, e, scores, l_w, i_w, k, p, z):
+def _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z):
     """The rounds on candidate vectors (logit, id, weight, score) that hold every token above l_w,
     from w, the best score over an upper set that contains K. Returns the id of the best in K."""
     done = False
     while not done:
         above = vals > l_w
-        if _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), k, p, z):
+        if _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), l_w, top, c, k, p, min_p, z):
             done = True
         else:
             _, l_w, i_w = _best(tl.where(above, scores, float("-inf")), vals, ids)
@@ -336,7 +338,7 @@ def _rounds(vals, ids, e, scores, l_w, i_w, k, p, z):
 
 @triton.jit
 def _decide_kernel(
-    stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, temp_ptr, k_ptr, p_ptr, seed_ptr, step_ptr,
+    stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, temp_ptr, k_ptr, p_ptr, min_p_ptr, seed_ptr, step_ptr,
     out_ptr, flag_ptr, V,
     NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, CUDA_MATH: tl.constexpr,
 ):
@@ -346,18 +348,19 @@ def _decide_kernel(
     temp = tl.load(temp_ptr + b)
     k = tl.load(k_ptr + b)
     p = tl.load(p_ptr + b)
+    min_p = tl.load(min_p_ptr + b)
     c = _LOG2E / tl.where(temp > 0.0, temp, 1.0)
     top, z, g, token = _row_stats(stats_f_ptr, stats_i_ptr, b, c, V, NUM_SPLITS)
     flag = (temp > 0.0) & (top > float("-inf"))
-    if flag & ((k < V) | (p < 1.0)):
+    if flag & ((k < V) | (p < 1.0) | (min_p > 0.0)):
         vals, ids, e, scores = _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c,
                                                   _row_key(seed_ptr, step_ptr, b), temp, g,
                                                   NUM_SPLITS, CAP, CUDA_MATH)
         above = vals > g
-        if not _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), k, p, z):
+        if not _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), g, top, c, k, p, min_p, z):
             # a token at G is not kept, nor any below it: K lies among the candidates above G
             _, l_w, i_w = _best(scores, vals, ids)
-            token = _rounds(vals, ids, e, scores, l_w, i_w, k, p, z)
+            token = _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z)
             flag = False
     tl.store(out_ptr + b, token.to(tl.int64))
     tl.store(flag_ptr + b, flag.to(tl.int32))
@@ -388,7 +391,7 @@ def _best_above(row, s_lv, V, theta, key, temp, BLOCK: tl.constexpr, CUDA_MATH: 
 
 @triton.jit
 def _finish_kernel(
-    logits_ptr, temp_ptr, k_ptr, p_ptr, seed_ptr, step_ptr, flag_ptr,
+    logits_ptr, temp_ptr, k_ptr, p_ptr, min_p_ptr, seed_ptr, step_ptr, flag_ptr,
     stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, chain_f_ptr, chain_i_ptr, out_ptr,
     V, s_lb, s_lv,
     NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, CHAIN_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -400,6 +403,7 @@ def _finish_kernel(
         temp = tl.load(temp_ptr + b)
         k = tl.load(k_ptr + b)
         p = tl.load(p_ptr + b)
+        min_p = tl.load(min_p_ptr + b)
         c = _LOG2E / temp
         key = _row_key(seed_ptr, step_ptr, b)
         row = logits_ptr + b * s_lb
@@ -413,16 +417,16 @@ def _finish_kernel(
         i1 = tl.load(chain_i_ptr + part * 2)
         i2 = tl.load(chain_i_ptr + part * 2 + 1)
         _, l_w, i_w, _ = _chain_query(s1, l1, i1, s2, l2, i2, tb, float("-inf"))
-        done = (k >= V) & (p >= 1.0)  # nothing to cut: the best score overall
+        done = (k >= V) & (p >= 1.0) & (min_p <= 0.0)  # nothing to cut: the best score overall
         while not done:
             if l_w > g:  # every token above l_w is a candidate
                 vals, ids, e, scores = _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c,
                                                           key, temp, g, NUM_SPLITS, CAP, CUDA_MATH)
-                i_w = _rounds(vals, ids, e, scores, l_w, i_w, k, p, z)
+                i_w = _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z)
                 done = True
             else:
                 count, mass = _count_above(row, s_lv, V, l_w, top, c, BLOCK_V)
-                if _kept(count, mass, k, p, z):
+                if _kept(count, mass, l_w, top, c, k, p, min_p, z):
                     done = True
                 else:  # count >= 1: the next candidate exists
                     s, l, i, bound = _chain_query(s1, l1, i1, s2, l2, i2, tb, l_w)
@@ -486,11 +490,12 @@ def _cuda_math(logits):
     return logits.is_cuda and libdevice is not None
 
 
-def _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, cfg=None):
+def _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, min_p=None, cfg=None):
     """cfg: TOP_K_TOP_P_CFG's layout (tests, benchmarks); None picks it for the device."""
     B, V = logits.shape
     dev = logits.device
     temperature, top_k, top_p = temperature.contiguous(), top_k.contiguous(), top_p.contiguous()
+    min_p = torch.zeros_like(top_p) if min_p is None else min_p.contiguous()
     seed, step = seed.contiguous(), step.contiguous()
     out = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
@@ -509,7 +514,7 @@ def _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, cfg=None):
         logits, temperature, stats_f, stats_i, cand_l, cand_i, V, *logits.stride(),
         NUM_SPLITS=splits, BLOCK=st["block"], CAP=cap, num_warps=st["num_warps"])
     _decide_kernel[(B,)](
-        stats_f, stats_i, cand_l, cand_i, temperature, top_k, top_p, seed, step, out, flags, V,
+        stats_f, stats_i, cand_l, cand_i, temperature, top_k, top_p, min_p, seed, step, out, flags, V,
         NUM_SPLITS=splits, CAP=cap, CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
     chunk = triton.cdiv(triton.cdiv(V, chain_splits), ch["block"]) * ch["block"]
     _gumbel_kernel[(B, chain_splits)](
@@ -517,7 +522,7 @@ def _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, cfg=None):
         NUM_SPLITS=chain_splits, BLOCK_V=ch["block"], CHAIN=True, CUDA_MATH=cuda_math,
         num_warps=ch["num_warps"])
     _finish_kernel[(B,)](
-        logits, temperature, top_k, top_p, seed, step, flags, stats_f, stats_i, cand_l, cand_i,
+        logits, temperature, top_k, top_p, min_p, seed, step, flags, stats_f, stats_i, cand_l, cand_i,
         chain_f, chain_i, out, V, *logits.stride(),
         NUM_SPLITS=splits, CAP=cap, CHAIN_SPLITS=chain_splits, BLOCK_V=fin["block"],
         CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
@@ -551,12 +556,13 @@ def _(logits, temperature, seed, step, num_splits=None):
 
 @torch.library.custom_op("minipaged::top_k_top_p_sample", mutates_args=())
 def _top_k_top_p_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step)
+                     top_p: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
+                     min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, min_p)
 
 
 @_top_k_top_p_op.register_fake
-def _(logits, temperature, top_k, top_p, seed, step):
+def _(logits, temperature, top_k, top_p, seed, step, min_p=None):
     return logits.new_empty((logits.shape[0],), dtype=torch.int64)
 
 
@@ -573,8 +579,8 @@ def gumbel_sample(logits, temperature, seed, step, num_splits: Optional[int] = N
     return _gumbel_sample_impl(logits, temperature, seed, step, num_splits)
 
 
-def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, cfg=None):
-    """cfg: override TOP_K_TOP_P_CFG (tests, benchmarks)."""
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None, cfg=None):
+    """min_p: float32 [B] (None: off); cfg: override TOP_K_TOP_P_CFG (tests, benchmarks)."""
     if _compiling():
-        return torch.ops.minipaged.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)
-    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, cfg)
+        return torch.ops.minipaged.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p)
+    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, min_p, cfg)

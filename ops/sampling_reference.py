@@ -10,19 +10,27 @@ in [0, 2^32), so a request's tokens depend only on its seed, its output index an
 
     gumbel_sample(logits[B,V] float, temperature[B] f32 >= 0, seed[B] i64, step[B] i64) -> i64 [B]
         argmax_v score_v; a row at temperature 0 takes argmax_v logits_v.
-    top_k_top_p_sample(logits, temperature, top_k[B] i64, top_p[B] f32, seed, step) -> i64 [B]
-        argmax over the kept set K (kept_mask) of the same scores; temperature 0: argmax logits.
+    top_k_top_p_sample(logits, temperature, top_k[B] i64, top_p[B] f32, seed, step, min_p[B] f32 | None)
+        -> i64 [B]: argmax over the kept set K (kept_mask) of the same scores; temperature 0: argmax logits.
+    logprobs(logits[N,V] float, targets[N] i64, k) -> f32 [N, 1 + 2k]   (see logprobs)
+    apply_penalties(logits[R,V] f32, token_ids[R,W], prompt_lens[R], num_tokens[R], repetition[R],
+                    presence[R], frequency[R]) -> f32 [R,V]   (see apply_penalties; no kernel: torch ops)
 
 The kept set K of a row is defined by logit values, so tokens of equal logit are kept or dropped
 together (never split by their position in a sort). With l the logits read as float32,
 
     e_v = exp2((l_v - max l) * c),  c = log2(e) / T  (float32),    Z = sum_v e_v
     count(x) = |{j : l_j > x}|,   mass(x) = sum_{j : l_j > x} e_j
-    K = {i : count(l_i) = 0  or  (count(l_i) < top_k  and  (top_p >= 1  or  mass(l_i) <= top_p * Z))}
+    K = {i : count(l_i) = 0  or  (count(l_i) < top_k  and  (top_p >= 1  or  mass(l_i) <= top_p * Z)
+                                   and  e_i >= min_p)}
 
-top_k >= V (or any count) keeps everything for top-k, top_p >= 1 skips the mass test, and the top
-tie group is always kept. Where every logit differs, K is the usual "k most likely tokens, then the
-smallest prefix of mass >= top_p". K is an upper set: a token whose logit is >= a kept token's is kept.
+top_k >= V (or any count) keeps everything for top-k, top_p >= 1 skips the mass test, min_p = 0 the
+last test (e_i is token i's probability over the most likely one's), and the top tie group is always
+kept. Where every logit differs, K is the usual "k most likely tokens, then the smallest prefix of
+mass >= top_p", less the tokens below min_p times the top probability: transformers' order (top-k,
+top-p, min-p; min-p after a renormalisation is the same test). vLLM applies min-p first, so that top-p
+then measures mass over the min-p survivors only; the two differ only in rows using both top_p and
+min_p. K is an upper set: a token whose logit is >= a kept token's is kept.
 The sums are float32 in both implementations, in different orders: they agree on K except where some
 mass(l_i) lies within rounding (~1e-6 relative) of top_p * Z.
 """
@@ -63,8 +71,8 @@ def gumbel_sample(logits, temperature, seed, step):
     return _scores(logits, temperature, seed, step)[1].argmax(dim=-1)
 
 
-def kept_mask(logits, temperature, top_k, top_p):
-    """K as a bool mask [B, V] (module docstring), for rows at temperature > 0."""
+def kept_mask(logits, temperature, top_k, top_p, min_p=None):
+    """K as a bool mask [B, V] (module docstring), for rows at temperature > 0; min_p None: 0."""
     logits = logits.float()
     c = LOG2E / torch.where(temperature > 0, temperature, 1.0)
     e = torch.exp2((logits - logits.max(dim=-1, keepdim=True).values) * c[:, None])
@@ -78,11 +86,58 @@ def kept_mask(logits, temperature, top_k, top_p):
     starts[:, 1:] = sorted_logits[:, 1:] != sorted_logits[:, :-1]
     count = torch.where(starts, position, 0).cummax(dim=-1).values
     mass = mass_before.gather(-1, count)
-    keep = (count == 0) | ((count < top_k[:, None]) & ((top_p[:, None] >= 1) | (mass <= top_p[:, None] * z)))
+    min_p = torch.zeros_like(top_p) if min_p is None else min_p
+    keep = (count == 0) | ((count < top_k[:, None]) & ((top_p[:, None] >= 1) | (mass <= top_p[:, None] * z))
+                           & (sorted_e >= min_p[:, None]))
     return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
-def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step):
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None):
     logits, scores = _scores(logits, temperature, seed, step)
-    kept = kept_mask(logits, temperature, top_k, top_p) | (temperature == 0)[:, None]
+    kept = kept_mask(logits, temperature, top_k, top_p, min_p) | (temperature == 0)[:, None]
     return scores.masked_fill(~kept, float("-inf")).argmax(dim=-1)
+
+
+def _ordered_bits(x):
+    """int64 keys of float32 values with the same order (-0.0 and 0.0 equal): sign and magnitude
+    bits to a signed integer."""
+    bits = x.float().view(torch.int32).long()
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def logprobs(logits, targets, k):
+    """The raw log-probabilities of a batch of logits rows, packed for one copy to the host: float32
+    [N, 1 + 2k] holding, per row, log_softmax(logits)[target], then the k largest log-probabilities in
+    descending order (ties: the smaller token id first), then those k token ids as int32 bits
+    (ops.unpack_logprobs reads them). Entries beyond a row's finite logits are (-inf, id -1)."""
+    x = logits.float()
+    lse = x.logsumexp(dim=-1)
+    out = torch.empty((x.shape[0], 1 + 2 * k), dtype=torch.float32, device=x.device)
+    out[:, 0] = x.gather(-1, targets[:, None])[:, 0] - lse
+    if k:
+        ids = torch.arange(x.shape[-1], device=x.device)
+        top_ids = (_ordered_bits(x) * 2**32 - ids).topk(k, dim=-1).indices  # value, then smaller id
+        top = x.gather(-1, top_ids)
+        out[:, 1:1 + k] = top - lse[:, None]
+        out.view(torch.int32)[:, 1 + k:] = torch.where(top > float("-inf"), top_ids, -1).int()
+    return out
+
+
+def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, presence, frequency):
+    """Row r's tokens are token_ids[r, :num_tokens[r]], its prompt the first prompt_lens[r] of them.
+    Returns the logits (float32 [R, V]) with transformers' repetition penalty over prompt and output
+    tokens (a seen token's logit divided by the penalty if positive, else multiplied by it), then
+    OpenAI's presence and frequency penalties over output tokens (logit -= presence * (count > 0) +
+    frequency * count). Counts come from a scatter_add into [R, V + 1] (column V takes the padding)."""
+    R, V = logits.shape
+    position = torch.arange(token_ids.shape[1], device=logits.device)
+    in_prompt = position < prompt_lens[:, None]
+    is_output = ~in_prompt & (position < num_tokens[:, None])
+    ids = token_ids.long()
+    counts = torch.zeros((R, V + 1), dtype=torch.int32, device=logits.device)
+    counts.scatter_add_(1, torch.where(is_output, ids, V), is_output.int())
+    seen = torch.zeros((R, V + 1), dtype=torch.bool, device=logits.device).scatter_(1, torch.where(in_prompt, ids, V), True)
+    counts, seen = counts[:, :V], seen[:, :V] | (counts[:, :V] > 0)
+    factor = torch.where(seen, repetition[:, None], 1.0)
+    logits = torch.where(logits > 0, logits / factor, logits * factor)
+    return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts

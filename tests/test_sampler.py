@@ -11,6 +11,7 @@ of the exact comparisons; the tests check that they are few.
 """
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -22,8 +23,8 @@ from test_fused import DEVICE, ON_GPU, _PoisonedTorch, gen  # noqa: E402,F401  (
 
 import ops  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
-from engine.sampler import SamplingTensors, sample  # noqa: E402
-from engine.sequence import SamplingParams  # noqa: E402
+from engine.sampler import SamplingTensors, TokenHistory, sample  # noqa: E402
+from engine.sequence import PLACEHOLDER, SamplingParams, Sequence  # noqa: E402
 from ops import sampling_reference as reference  # noqa: E402
 
 BACKENDS = ["triton", "torch"]
@@ -72,15 +73,31 @@ def row_settings(gen, B, V):
     return [t.to(DEVICE) for t in (temperature, top_k, top_p.float(), seed, step)]
 
 
-def oracle_kept(logits, temperature, top_k, top_p):
-    """float64, O(V^2): K [B, V] from the count and mass of the logits strictly above each token's."""
+def oracle_kept(logits, temperature, top_k, top_p, min_p=None):
+    """float64, O(V^2): K [B, V] from the count and mass of the logits strictly above each token's,
+    and each token's probability over the top one's."""
     kept = []
-    for l, t, k, p in zip(logits.double().cpu(), temperature.tolist(), top_k.tolist(), top_p.tolist()):
+    min_p = torch.zeros_like(top_p) if min_p is None else min_p
+    for l, t, k, p, q in zip(logits.double().cpu(), temperature.tolist(), top_k.tolist(), top_p.tolist(),
+                             min_p.tolist()):
         e = torch.exp((l - l.max()) / (t or 1.0))
         above = l[None, :] > l[:, None]  # [i, j]: l_j > l_i
         count, mass = above.sum(-1), (above * e).sum(-1)
-        kept.append((count == 0) | ((count < k) & ((p >= 1) | (mass <= p * e.sum()))))
+        kept.append((count == 0) | ((count < k) & ((p >= 1) | (mass <= p * e.sum())) & (e >= q)))
     return torch.stack(kept)
+
+
+def min_p_settings(gen, B):
+    """Per row: min_p 0 (off) for one row in three, else in [0.005, 0.8] (log-uniform)."""
+    min_p = torch.exp(torch.empty(B).uniform_(-5.3, -0.22, generator=gen))
+    return torch.where(torch.arange(B) % 3 == 0, 0.0, min_p).to(DEVICE)
+
+
+def near_min_p(logits, temperature, min_p):
+    """Rows [B] where some token's probability over the top one's is within 1e-5 (relative) of min_p."""
+    l = logits.double()
+    e = torch.exp((l - l.max(-1, keepdim=True).values) / torch.where(temperature > 0, temperature, 1).double()[:, None])
+    return ((min_p > 0) & ((e - min_p.double()[:, None]).abs() < 1e-5 * min_p.double()[:, None]).any(-1)).cpu()
 
 
 def near_boundary(logits, temperature, top_p):
@@ -183,6 +200,23 @@ def test_top_k_top_p_reference_is_the_best_kept_score(gen):
     assert torch.equal(drawn[rows], best[rows]), f"seed={gen.initial_seed()}"
 
 
+@pytest.mark.parametrize("bf16_values,scale", [(False, 3.0), (True, 0.5)])
+def test_reference_kept_set_with_min_p_matches_float64(gen, bf16_values, scale):
+    B, V = 24, 600
+    logits = logits_view(gen, B, V, scale=scale, bf16_values=bf16_values)
+    temperature, top_k, top_p, _, _ = row_settings(gen, B, V)
+    min_p = min_p_settings(gen, B)
+    near = near_boundary(logits, temperature, top_p) | near_min_p(logits, temperature, min_p)
+    rows = (temperature > 0).cpu() & ~near
+    assert near.sum() <= 3, f"seed={gen.initial_seed()}"
+    kept = reference.kept_mask(logits, temperature, top_k, top_p, min_p).cpu()
+    expected = oracle_kept(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(kept[rows], expected[rows]), f"seed={gen.initial_seed()}"
+    cut = (min_p > 0).cpu() & rows
+    assert (expected[cut].sum(-1) < oracle_kept(logits, temperature, top_k, top_p)[cut].sum(-1)).any(), \
+        "min_p was meant to cut some rows"
+
+
 # --- the Triton kernels against the reference ----------------------------------------------
 KERNEL_CASES = [("default", False, 3.0), ("default", True, 0.5), ("tight", True, 1.0)]
 
@@ -200,6 +234,43 @@ def test_top_k_top_p_kernel_matches_reference(gen, cfg, bf16_values, scale):
     expected = ops.top_k_top_p_sample(*args, backend="torch").cpu()
     assert drawn.dtype == torch.int64
     assert torch.equal(drawn[~near], expected[~near]), f"seed={gen.initial_seed()}"
+
+
+@pytest.mark.parametrize("cfg,scale", [("default", 1.0), ("tight", 0.5)])
+def test_min_p_kernel_matches_reference(gen, cfg, scale):
+    """min_p alone and with top-k / top-p (row_settings' kinds), its cut anywhere from the top few
+    tokens to deep in the vocabulary (flat logits). Rows of one kind in three take a min_p just above
+    the weight of the token they draw without it, so that their draw must change."""
+    from ops import sampling
+
+    B, V = (64, 151936) if ON_GPU and cfg == "default" else (24, 700)
+    logits = logits_view(gen, B, V, scale=scale, pad=5, bf16_values=True)
+    temperature, top_k, top_p, seed, step = row_settings(gen, B, V)
+    args = (logits, temperature, top_k, top_p, seed, step)
+    without = ops.top_k_top_p_sample(*args, backend="torch")
+    l = logits.float()
+    e = torch.exp2((l - l.max(-1, keepdim=True).values) * (reference.LOG2E / temperature.clamp(min=1e-3))[:, None])
+    crafted = e.gather(1, without[:, None])[:, 0] * 1.001
+    rows = torch.arange(B, device=DEVICE)
+    min_p = torch.where((rows % 3 == 1) & (crafted < 1), crafted, min_p_settings(gen, B))
+    near = near_boundary(logits, temperature, top_p) | near_min_p(logits, temperature, min_p)
+    assert near.sum() <= B // 8, f"seed={gen.initial_seed()}"
+    drawn = sampling.top_k_top_p_sample(*args, min_p=min_p, cfg=TIGHT if cfg == "tight" else None).cpu()
+    expected = ops.top_k_top_p_sample(*args, backend="torch", min_p=min_p).cpu()
+    assert torch.equal(drawn[~near], expected[~near]), f"seed={gen.initial_seed()}"
+    changed = (expected != without.cpu()) & ~near
+    assert changed.any(), f"min_p was meant to change some draws; seed={gen.initial_seed()}"
+
+
+def test_min_p_routes_to_the_truncating_sampler_and_keeps_greedy_rows():
+    logits = torch.randn(4, 300)
+    params = [SamplingParams(temperature=t, min_p=0.2, seed=i) for i, t in enumerate((0.0, 1.0, 0.0, 1.5))]
+    t = tensors(params, [3] * 4, 300)
+    assert t.any_truncation and not t.all_greedy
+    drawn = sample(logits, t)
+    assert drawn[[0, 2]].tolist() == logits[[0, 2]].argmax(-1).tolist()
+    probs = logits[[1, 3]].softmax(-1) ** torch.tensor([[1.0], [1 / 1.5]])  # p_i / p_max = e_i under T
+    assert (probs.gather(1, drawn[[1, 3], None]) / probs.max(-1, keepdim=True).values >= 0.2).all()
 
 
 @pytest.mark.parametrize("sweep", ["top_k", "top_p"])
@@ -362,10 +433,19 @@ def test_no_host_synchronisation(gen):
     B, V = 8, 32000
     logits = logits_view(gen, B, V, bf16_values=True)
     temperature, top_k, top_p, seed, step = row_settings(gen, B, V)
+    params = [SamplingParams(temperature=0.7, min_tokens=5, stop_token_ids=(5,), repetition_penalty=1.2,
+                             frequency_penalty=0.5, min_p=0.1, seed=i) for i in range(B)]
+    seqs = [Sequence(i, str(i), list(range(i, i + 20)), params[i], 100, [7, 8, PLACEHOLDER]) for i in range(B)]
+    previous = SimpleNamespace(rows={i: i for i in range(B)}, device_tokens=torch.arange(B, device=DEVICE))
+    history = TokenHistory(128, DEVICE)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         ops.gumbel_sample(logits, temperature, seed, step)
         ops.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step)
+        t = SamplingTensors.build(params, [3] * B, V, DEVICE, (2,), history.rows(seqs, previous))
+        tokens = sample(logits, t)
+        history.record(t.penalties, tokens)
+        ops.logprobs(logits, tokens, 5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
