@@ -155,10 +155,11 @@ class LLMEngine:
             raise RequestError(f"prompt has {prompt_len} tokens; model.max_model_len {self.max_model_len} leaves no room for output")
         if sampling.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        vocab = self.model.arch.vocab_size
+        most = min(self.model.arch.vocab_size, MAX_LOGPROBS)
         for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(sampling, name) or 0) > vocab:
-                raise RequestError(f"{name} must be <= the vocabulary size {vocab}, got {getattr(sampling, name)}")
+            if (getattr(sampling, name) or 0) > most:
+                raise RequestError(f"{name} must be <= {most} (the vocabulary size or {MAX_LOGPROBS}, "
+                                   f"the most the sampler returns), got {getattr(sampling, name)}")
         need = blocks_needed(min(prompt_len + sampling.max_tokens, self.max_model_len), self.block_size)
         if need > self.num_blocks:
             raise RequestError(f"needs {need} blocks of {self.block_size} tokens; the pool has {self.num_blocks}")

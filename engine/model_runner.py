@@ -16,7 +16,7 @@ from engine.attention import AttentionMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
-from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.decoder import DecoderForCausalLM
 from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, sample, to_host
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -25,7 +25,7 @@ PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprob
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
+    def __init__(self, model: DecoderForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
                  device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0, eos_token_ids=()):
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
         self.eos_token_ids = tuple(eos_token_ids)  # banned before min_tokens
@@ -161,7 +161,7 @@ class InFlight:
 
 
 @torch.inference_mode()
-def kv_bytes_left(model: Qwen3ForCausalLM, device, utilization: float, max_tokens: int, max_seqs: int) -> int:
+def kv_bytes_left(model: DecoderForCausalLM, device, utilization: float, max_tokens: int, max_seqs: int) -> int:
     """Device memory left for KV blocks: utilization * total, minus the peak of a warm-up step at the
     largest token budget (weights, activations, logits of max_seqs rows)."""
     torch.cuda.empty_cache()

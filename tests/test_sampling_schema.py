@@ -83,7 +83,7 @@ def test_bad_rows_become_error_rows_naming_the_field(make_config, tmp_path, one_
                              "sampling.max_tokens=3", "sampling.ignore_eos=true"), tmp_path / "run")
     rows = pq.read_table(tmp_path / "run" / "generations.parquet").to_pylist()
     errors = {r["prompt"]: r["error"] for r in rows if r["finish_reason"] == "error"}
-    assert errors == {"n": "n must be >= 1, got 0", "vocab": "logprobs must be <= the vocabulary size 257, got 1000",
+    assert errors == {"n": "n must be >= 1, got 0", "vocab": "logprobs must be <= 20 (the vocabulary size or 20, the most the sampler returns), got 1000",
                       "stop": "stop must be a list of strings, got [1, 2]"}
     assert [(r["prompt"], r["sample_index"], r["output_tokens"]) for r in rows if not r["error"]] == \
         [("ok", 0, 3), ("fine", 0, 3), ("fine", 1, 3)]
