@@ -170,7 +170,7 @@ def test_logprobs_kernel_matches_reference(gen, poisoned_outputs, k):
 def test_logprobs_reference_matches_float64_and_a_stable_sort(gen):
     B, V, k = 5, 600, 7
     logits = tied_logits(gen, B, V, pad=0)
-    targets = torch.randint(0, V, (B,), generator=gen)
+    targets = torch.randint(0, V, (B,), generator=gen).to(DEVICE)
     target, top, ids = ops.unpack_logprobs(sampling_reference.logprobs(logits, targets, k))
     exact = logits.double().log_softmax(-1)
     values, order = exact.sort(dim=-1, descending=True, stable=True)  # ties: the smaller id first
