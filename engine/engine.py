@@ -7,10 +7,10 @@ import torch
 
 from engine.block_manager import KVBlockManager, blocks_needed, extend_block_hashes
 from engine.config import ConfigError, cpu_threads
-from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
-from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.detokenizer import IncrementalDetokenizer
 from engine.generation_config import read_generation_config, stop_ids
+from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
+from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
 from engine.sampler import MAX_LOGPROBS, scores_prompt
 from engine.scheduler import Scheduler
