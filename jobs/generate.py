@@ -183,7 +183,7 @@ def generate_job(cfg, directory: Path) -> None:
     """The job in `directory` (Hydra's run directory)."""
     job, writer = cfg.job, None
     try:
-        with _sigterm_interrupts(), run_lock(directory):
+        with _signals_interrupt(), run_lock(directory):
             source, columns, id_type = open_input(job)
             writer = ResultWriter(directory, source.num_rows, cfg, source.fingerprint(), job.flush_every,
                                   job.flush_interval_s)
@@ -254,20 +254,24 @@ def run(cfg) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts():
-    """While inside: SIGTERM raises _Terminated (a KeyboardInterrupt) so it stops the job like SIGINT."""
-    def handler(signum, frame):
+def _signals_interrupt():
+    """While inside: SIGINT raises KeyboardInterrupt and SIGTERM _Terminated (a KeyboardInterrupt), so both
+    stop the job after saving what finished, also where the job was started with SIGINT ignored (a
+    non-interactive shell's background command inherits that, and Python then keeps it)."""
+    def terminated(signum, frame):
         raise _Terminated()
 
+    handlers = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: terminated}
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _save(writer: ResultWriter | None) -> None:

@@ -139,14 +139,14 @@ def prompts(tmp_path_factory):
     return path
 
 
-def job_args(prompts, run_dir, *extra):
+def job_args(prompts, run_dir, max_tokens=12):
     return [sys.executable, "-m", "engine.run", f"job.input={prompts}", f"hydra.run.dir={run_dir}",
-            "model.device=cpu", "sampling.max_tokens=12", "sampling.ignore_eos=true", "scheduler.max_num_seqs=4",
-            "job.flush_every=8", *extra]
+            "model.device=cpu", f"sampling.max_tokens={max_tokens}", "sampling.ignore_eos=true",
+            "scheduler.max_num_seqs=4", "job.flush_every=8"]
 
 
-def start(prompts, run_dir, *extra):
-    return subprocess.Popen(job_args(prompts, run_dir, *extra), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+def start(prompts, run_dir, max_tokens=12):
+    return subprocess.Popen(job_args(prompts, run_dir, max_tokens), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -168,8 +168,8 @@ def saved_ids(parts: dict, run_dir: Path) -> list:
     return [i for name in parts for i in pq.read_table(run_dir / "generations.parts" / name)["row"].to_pylist()]
 
 
-def finish(prompts, run_dir, *extra):
-    result = subprocess.run(job_args(prompts, run_dir, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+def finish(prompts, run_dir, max_tokens=12):
+    result = subprocess.run(job_args(prompts, run_dir, max_tokens), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout + result.stderr
 
@@ -224,9 +224,9 @@ def test_sigkill_then_resume(prompts, tmp_path):
 def test_sigint_and_sigterm_save_the_finished_rows_and_stop(prompts, tmp_path):
     run_dir = tmp_path / "run"
     parts_seen = 0
-    longer, max_tokens = "sampling.max_tokens=60", 60  # the job must still run when the signal comes, even on a busy machine
+    max_tokens = 60  # the job must still be running when the signal comes, on a busy machine too
     for sig, code, name in ((signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")):
-        proc = start(prompts, run_dir, longer)
+        proc = start(prompts, run_dir, max_tokens)
         wait_for_parts(run_dir, parts_seen + 1, proc)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
@@ -238,6 +238,6 @@ def test_sigint_and_sigterm_save_the_finished_rows_and_stop(prompts, tmp_path):
         ids = saved_ids(parts, run_dir)
         assert len(ids) == len(set(ids)) < NUM_ROWS and not (run_dir / "generations.parquet").exists()
         parts_seen = len(parts)
-    log = finish(prompts, run_dir, longer)
+    log = finish(prompts, run_dir, max_tokens)
     assert f"resuming: {len(ids)} of {NUM_ROWS} rows already written" in log
     check_complete(run_dir, max_tokens=max_tokens)
