@@ -44,9 +44,9 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, scale: float):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.scale = scale
 
     def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq * D]."""
@@ -59,7 +59,7 @@ class PagedAttention(nn.Module):
         else:
             out = torch.cat([self._decode(q[:n], key_cache, value_cache, meta),
                              self._prefill(q[n:], key_cache, value_cache, meta.prefill)])
-        return out.reshape(-1, self.num_heads * self.head_dim)
+        return out.flatten(1)
 
     def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata):
         return ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale)

@@ -49,7 +49,7 @@ class DecoderAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = PagedAttention(self.head_dim**-0.5)
         self.qkv_proj = PackedLinear(arch.hidden_size, [q_size, kv_size, kv_size], bias=arch.qkv_bias)
         self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.qk_norm = arch.qk_norm
