@@ -126,12 +126,13 @@ class LLMEngine:
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
         samples = [Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling.sample(i),
                             max_num_tokens, sample_index=i) for i in range(sampling.n)]
-        self._hash_known_blocks(samples[0])
-        for seq in samples:
-            seq.block_hashes = list(samples[0].block_hashes)
-            if sampling.stop:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         first, rest = samples[0], samples[1:]
+        self._hash_known_blocks(first)
+        for seq in rest:  # the same prompt: the same hashes
+            seq.block_hashes = list(first.block_hashes)
+        if sampling.stop:
+            for seq in samples:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(first)
         if first.block_hashes:
             first.held_samples = rest

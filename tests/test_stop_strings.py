@@ -124,7 +124,9 @@ def test_incremental_detokenization_equals_decoding_everything(tokens):
         assert detokenizer.text == tokenizer.decode(tokens[:detokenizer.read_offset], skip_special_tokens=True)
         assert tokenizer.decode(tokens[:n], skip_special_tokens=True).startswith(detokenizer.text)
         held = tokenizer.decode(tokens[detokenizer.prefix_offset:n], skip_special_tokens=True)
-        assert n - detokenizer.prefix_offset <= 8 or held.endswith("\ufffd")  # short, unless holding back bytes
+        # short, unless holding back bytes, or just after releasing them (the window then starts where the
+        # held run did, and moves on at the next token)
+        assert n - detokenizer.prefix_offset <= 8 or "\ufffd" in held
 
 
 def test_stop_columns_and_settings_in_the_job(make_config, tiny, full_outputs, tmp_path, one_thread):
