@@ -4,12 +4,13 @@ Builds the engine on the Qwen3-0.6B shape, prefills N prompts, then times decode
 (no profiler), summed kernel time (torch.profiler, CUDA activity only), their difference per step as
 the host overhead, the kernel time per step by kernel, the host time of each phase of a step, and
 cProfile's top host functions.
-Usage: python3 benchmarks/profile_decode.py [--host] SEQS:CONTEXT [SEQS:CONTEXT ...]
+Usage: [MODEL=llama-3.2-1b] python3 benchmarks/profile_decode.py [--host] SEQS:CONTEXT [SEQS:CONTEXT ...]
 CONTEXT is a prompt length or a range LO-HI (lengths uniform in it, as in the nano workload);
 --host adds the host phases and cProfile. Default: 256:1024.
 """
 import cProfile
 import gc
+import os
 import pstats
 import sys
 import time
@@ -29,10 +30,11 @@ COPY_BYTES_PER_S = 4.26e12  # the H200's measured device-to-device copy
 
 
 def bench_engine(*overrides: str) -> LLMEngine:
-    """The engine of the GPU benchmarks: Qwen3-0.6B shape, random weights, 256 sequences, 16384 tokens."""
+    """The engine of the GPU benchmarks: random weights of $MODEL's shape (default Qwen3-0.6B), 256
+    sequences, 16384 tokens."""
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-        cfg = compose("config", overrides=["model=qwen3-0.6b", "scheduler.max_num_seqs=256",
+        cfg = compose("config", overrides=[f"model={os.environ.get('MODEL', 'qwen3-0.6b')}", "scheduler.max_num_seqs=256",
                                            "scheduler.max_num_batched_tokens=16384", "job=bench", *overrides])
     return LLMEngine(cfg)
 
