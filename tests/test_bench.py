@@ -61,6 +61,7 @@ def test_a_workload_longer_than_max_model_len_is_refused(make_config, workload_n
         run(cfg)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a float32 CPU run (on CUDA the bench runs in bf16)")
 def test_bench_with_its_floor_and_the_transformers_baseline_on_the_tiny_model(tmp_path, make_config):
     overrides = ["job=bench", "job.num_prompts=6", "job.input_len=[8,40]", "job.output_len=[8,16]", "sampling.temperature=0"]
     result = subprocess.run(
