@@ -75,14 +75,13 @@ class ModelRunner:
         if previous is not None:
             self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
-        drawing = [s for s, draws in zip(batch.seqs, batch.draws) if draws]
-        parent_rows = self._fork(batch.forks, drawing)
+        drawing, logit_rows = self._fork([s for s, draws in zip(batch.seqs, batch.draws) if draws], batch.forks)
         segments = self._prompt_segments(batch, len(drawing))
         if not drawing and not segments:  # only prefill chunks that end before their prompt does
             return None
         logits = self.model.compute_logits(hidden[sampled_rows])
-        if parent_rows is not None:
-            logits = logits[parent_rows]
+        if logit_rows is not None:
+            logits = logits[logit_rows]
         penalised = self.history.rows(drawing, previous)
         params = SamplingTensors.build([s.sampling for s in drawing], [len(s.output_token_ids) for s in drawing],
                                        self.model.arch.vocab_size, self.device, self.eos_token_ids, penalised)
@@ -94,21 +93,21 @@ class ModelRunner:
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
         return InFlight.start(tokens, drawing, list(range(len(drawing))), logprobs)
 
-    def _fork(self, forks: list[Fork], drawing: list[Sequence]) -> torch.Tensor | None:
+    def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Copy the forked samples' partial blocks (after the forward that wrote them, before any later
-        step reads or writes them: stream order) and append the samples to drawing (in place). Returns
-        the logits row each row of drawing draws from (int64 [len(drawing)] on the device: a forked
-        sample's is its parent's), or None when nothing was forked."""
+        step reads or writes them: stream order). Returns the sequences that draw, the forked samples
+        after the others, and the logits row each draws from (int64 [len] on the device: a forked
+        sample's is its parent's), None when nothing was forked (one row each)."""
         if not forks:
-            return None
+            return drawing, None
         copies = [pair for fork in forks for pair in fork.copies]
         if copies:
             src, dst = self._to_device(np.array(copies, dtype=np.int64).T.copy())
             self.kv_cache.copy_blocks(src, dst)
         row_of = {s.seq_id: row for row, s in enumerate(drawing)}
         rows = list(range(len(drawing))) + [row_of[f.parent.seq_id] for f in forks for _ in f.children]
-        drawing += [child for fork in forks for child in fork.children]
-        return self._to_device(np.array(rows, dtype=np.int64))
+        children = [child for fork in forks for child in fork.children]
+        return drawing + children, self._to_device(np.array(rows, dtype=np.int64))
 
     @staticmethod
     def _prompt_segments(batch: ScheduledBatch, num_drawing: int) -> list[PromptSegment]:

@@ -56,7 +56,7 @@ class ScheduledBatch:
     num_preempted: int = 0
     prefix_cache_hit_tokens: int = 0  # tokens the admissions of this step found in the prefix cache
     admitted_tokens: int = 0  # tokens (prompt + earlier outputs) of the sequences admitted in this step
-    forks: list[Fork] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)  # samples that join in this step, past their prefill
     draws: list[bool] = field(init=False)
 
     def __post_init__(self):

@@ -111,6 +111,8 @@ def test_the_job_writes_a_row_per_sample_and_resumes_each_once(make_config, tmp_
     assert all(r["prompt"] == f"prompt {r['id'][1]}" for r in rows)
     summary = pq.read_table(whole / "summary.parquet").to_pylist()[0]
     assert summary["num_requests"] == 5 and summary["output_tokens"] == 3 * 11
+    steps = pq.read_table(whole / "steps.parquet").to_pylist()  # a prompt is computed once, whatever its n
+    assert sum(s["num_prefill_tokens"] + s["prefix_cache_hit_tokens"] for s in steps) == summary["prompt_tokens"]
 
     # the disk fills up after two parts; the run started again computes the rest, each sample once
     run = tmp_path / "run"
