@@ -13,6 +13,11 @@ hold it; a block released to ref 0 keeps its hash (cached, evictable) and is reu
 sequence whose prompt hits it. Allocation takes free blocks first and evicts the least recently used
 cached block only when none are left.
 
+Forking (the n samples of one prompt): a new table shares every full block of its parent's (ref + 1),
+with or without prefix caching, and takes a private block for the parent's partial last block, whose
+K/V the caller copies on the device (copy-on-write done at the fork: the last block is the one that
+both would write next).
+
 Invariants (checked by invariants_ok):
   * the pool is partitioned: free (ref 0, no hash) + cached (ref 0, a hash, in LRU order)
     + referenced (ref > 0) = range(num_physical_blocks), each block in exactly one part.
@@ -21,8 +26,8 @@ Invariants (checked by invariants_ok):
     hash is in it (so no two blocks hold the same hash).
   * len(block_table) == ceil(sequence_length / block_size) for every live sequence; only its first
     num_hashed_blocks blocks, all full, can hold a hash (prefix blocks and registered full blocks).
-  * a block held by two tables holds a hash: only full blocks are shared, so every partial block is
-    one sequence's own last block.
+  * a block held by two tables is full in each: prefix hits and forks share only full blocks, so
+    every partial block is one sequence's own last block.
   * once every sequence is released, no block is referenced: each is free or cached.
 Every public method either completes or raises before changing anything, so the pool is never
 left half-updated.
@@ -188,6 +193,32 @@ class KVBlockManager:
         )
         return state
 
+    def fork(self, parent_id: int, child_ids: list[int]) -> list[tuple[int, int]]:
+        """New live sequences, one per child id, holding what the parent holds: each shares the parent's
+        full blocks (ref + 1 each) and gets a fresh block for its partial last block, if it has one.
+
+        Returns the copies the device must make, (parent's last block, child's block) per child; none when
+        the parent's length is a multiple of block_size. All or nothing: DuplicateSequenceError, or
+        OutOfBlocksError when the pool has fewer free blocks than copies, before any change.
+        """
+        parent = self.state(parent_id)
+        if len(set(child_ids)) != len(child_ids) or any(c in self.sequences for c in child_ids):
+            raise DuplicateSequenceError(f"fork of {parent_id}: child ids {child_ids} repeat or are live")
+        num_full = parent.sequence_length // self.block_size
+        partial = parent.block_table[num_full:]  # [] or [the partial last block]
+        if len(partial) * len(child_ids) > self.num_free_blocks:
+            raise OutOfBlocksError(f"fork of {parent_id} needs {len(child_ids)} blocks, {self.num_free_blocks} free")
+        copies = []
+        for child_id in child_ids:
+            table = parent.block_table[:num_full]
+            for block in table:
+                self.ref_counts[block] += 1
+            if partial:
+                table.append(self.allocate_block())
+                copies.append((partial[0], table[-1]))
+            self.sequences[child_id] = SequenceState(child_id, parent.sequence_length, table, parent.num_hashed_blocks)
+        return copies
+
     def allocate_block(self) -> int:
         """A block at ref 1: a free one, else the least recently used cached one (its hash leaves
         the index)."""
@@ -307,8 +338,8 @@ class KVBlockManager:
 
     def _tables_ok(self) -> bool:
         """Each table: the right length, no block twice, in range, hashes only in its leading full
-        blocks; ref_counts[b] equals the number of tables holding b."""
-        holders = [0] * self.num_physical_blocks
+        blocks; ref_counts[b] equals the number of tables holding b; a partial last block has one holder."""
+        holders, partial = [0] * self.num_physical_blocks, []
         for s in self.sequences.values():
             table = s.block_table
             if (
@@ -321,18 +352,19 @@ class KVBlockManager:
                 return False
             for b in table:
                 holders[b] += 1
-        return holders == self.ref_counts
+            if s.sequence_length % self.block_size:
+                partial.append(table[-1])
+        return holders == self.ref_counts and all(holders[b] == 1 for b in partial)
 
     def _pool_partition_ok(self) -> bool:
         """free + cached + referenced = range(num_physical_blocks), disjoint; free blocks hold no
-        hash, cached and shared ones hold one; with caching off nothing is ever cached."""
+        hash, cached ones hold one; with caching off nothing is ever cached."""
         free, cached = list(self.free_blocks), list(self.cached_blocks)
         referenced = [b for b, ref in enumerate(self.ref_counts) if ref > 0]
         return (
             sorted(free + cached + referenced) == list(range(self.num_physical_blocks))
             and all(self.block_hash[b] is None for b in free)
             and all(self.block_hash[b] is not None for b in cached)
-            and all(self.block_hash[b] is not None for b in referenced if self.ref_counts[b] > 1)
             and (self.enable_prefix_caching or not self.cached_block_of)
         )
 

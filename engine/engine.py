@@ -115,11 +115,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
         """Queue a request's n samples; returns sample 0. Raises RequestError, queueing nothing, if it can
-        never run. With prefix caching (and a full block of prompt), samples 1..n-1 are held back until
-        sample 0's whole prompt is scheduled (its full blocks are then in the cache) and queued first in
-        line then: they share every full block of the prompt and compute only its partial last block. A
-        request for prompt logprobs takes nothing from the cache (as in vLLM): its prompt must be computed
-        to have them."""
+        never run. Samples 1..n-1 are held by sample 0 and forked from it in the step that computes its
+        last prompt chunk (the scheduler's Fork), so the prompt is computed once; where they cannot be
+        forked they are queued first in line then, to take its full blocks from the prefix cache. A
+        request for prompt logprobs takes nothing from the cache (as in vLLM) nor forks: each sample
+        computes its prompt to have them."""
         self.check_request(len(prompt_token_ids), sampling)
         if max(prompt_token_ids) >= self.model.arch.vocab_size or min(prompt_token_ids) < 0:
             raise RequestError(f"token ids must be in [0, {self.model.arch.vocab_size})")
@@ -134,11 +134,11 @@ class LLMEngine:
             for seq in samples:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(first)
-        if first.block_hashes:
-            first.held_samples = rest
-        else:
+        if scores_prompt(first):
             for seq in rest:
                 self.scheduler.add(seq)
+        else:
+            first.held_samples = rest
         return first
 
     def _hash_known_blocks(self, seq: Sequence) -> None:
@@ -187,15 +187,14 @@ class LLMEngine:
 
     def _account(self, batch) -> None:
         """Count the launched chunks as computed; a chunk that ends its sequence's prefill drew a token,
-        which stays a placeholder until resolved. A sequence whose prompt is now all scheduled lets its
-        held samples into the queue, first in line."""
+        as did the samples forked from it, which stays a placeholder until resolved."""
         for seq, n, draws in zip(batch.seqs, batch.num_new_tokens, batch.draws):
             seq.num_computed_tokens += n
             if draws:
                 seq.output_token_ids.append(PLACEHOLDER)
-                if seq.held_samples:
-                    self.scheduler.add_first(seq.held_samples)
-                    seq.held_samples = []
+        for fork in batch.forks:
+            for child in fork.children:
+                child.output_token_ids.append(PLACEHOLDER)
 
     def _resolve(self, step: InFlight) -> list[Sequence]:
         """Fill in the tokens of a finished step and retire the sequences they end."""

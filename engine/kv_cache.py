@@ -37,6 +37,12 @@ class PagedKVCache:
         self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
         self.bytes = bytes_per_block(spec, block_size, dtype) * num_blocks
 
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks src[i] -> dst[i] (int64 [N] on the cache's device) in every layer's K and V, in
+        stream order and without waiting for the device. dst holds no duplicates, and no block of src."""
+        for cache in (*self.key_caches, *self.value_caches):
+            cache[dst] = cache[src]
+
 
 log = logging.getLogger("minipaged")
 HOST_KV_SHARE = 0.5  # of the host memory available after the weights: the rest for activations and everyone else

@@ -4,7 +4,8 @@ Per-step metadata is built on the CPU with numpy (no per-token Python loops), st
 on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode-only
 steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode batches above the
 largest graph, run eagerly. Only the last position of each sequence that draws a token gets logits, and
-the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time).
+the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The
+samples forked from a sequence in a step draw from its logits row, each with its own seed.
 """
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
 from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, sample, to_host
-from engine.scheduler import ScheduledBatch
+from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import Sequence
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
@@ -74,11 +75,13 @@ class ModelRunner:
         if previous is not None:
             self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
-        drawing = [s for s, draws in zip(batch.seqs, batch.draws) if draws]
+        drawing, logit_rows = self._fork([s for s, draws in zip(batch.seqs, batch.draws) if draws], batch.forks)
         segments = self._prompt_segments(batch, len(drawing))
         if not drawing and not segments:  # only prefill chunks that end before their prompt does
             return None
         logits = self.model.compute_logits(hidden[sampled_rows])
+        if logit_rows is not None:
+            logits = logits[logit_rows]
         penalised = self.history.rows(drawing, previous)
         params = SamplingTensors.build([s.sampling for s in drawing], [len(s.output_token_ids) for s in drawing],
                                        self.model.arch.vocab_size, self.device, self.eos_token_ids, penalised)
@@ -89,6 +92,22 @@ class ModelRunner:
         k = max((a for a in asked if a is not None), default=None)
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
         return InFlight.start(tokens, drawing, list(range(len(drawing))), logprobs)
+
+    def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Copy the forked samples' partial blocks (after the forward that wrote them, before any later
+        step reads or writes them: stream order). Returns the sequences that draw, the forked samples
+        after the others, and the logits row each draws from (int64 [len] on the device: a forked
+        sample's is its parent's), None when nothing was forked (one row each)."""
+        if not forks:
+            return drawing, None
+        copies = [pair for fork in forks for pair in fork.copies]
+        if copies:
+            src, dst = self._to_device(np.array(copies, dtype=np.int64).T.copy())
+            self.kv_cache.copy_blocks(src, dst)
+        row_of = {s.seq_id: row for row, s in enumerate(drawing)}
+        rows = list(range(len(drawing))) + [row_of[f.parent.seq_id] for f in forks for _ in f.children]
+        children = [child for fork in forks for child in fork.children]
+        return drawing + children, self._to_device(np.array(rows, dtype=np.int64))
 
     @staticmethod
     def _prompt_segments(batch: ScheduledBatch, num_drawing: int) -> list[PromptSegment]:

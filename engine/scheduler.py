@@ -18,14 +18,33 @@ max_num_seqs sequences run. When a decoding sequence needs a block and none is f
 sequence is preempted by recompute: its blocks are released (those holding a hash stay cached, so the
 recompute usually hits them) and it waits, first in line, to be prefilled again from its prompt and the
 outputs it already has. A step that preempted admits nothing, so a victim is not re-admitted at once.
+
+The other samples of a request (n > 1) are held by its first until the step that computes the first's
+last prompt chunk, and forked from it then (ScheduledBatch.forks): they share its table, with a copy of
+its partial last block, draw their first token from its logits row and decode from the next step. When
+the pool has no block for the copies, or max_num_seqs no room for them, they are queued first in line
+instead, to take the prompt's full blocks from the prefix cache.
 """
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.block_manager import KVBlockManager
+from engine.block_manager import KVBlockManager, OutOfBlocksError
 from engine.sequence import Sequence, Status
+
+
+@dataclass
+class Fork:
+    """Samples forked from `parent` in a step that computes the parent's last prompt chunk: they are
+    running, with num_computed_tokens = its prompt length, and draw their first token from its logits.
+    copies: (parent's block, child's block) for the partial last block, to copy on the device after
+    the step's forward has written it."""
+
+    parent: Sequence
+    children: list[Sequence]
+    copies: list[tuple[int, int]]
 
 
 @dataclass
@@ -37,6 +56,7 @@ class ScheduledBatch:
     num_preempted: int = 0
     prefix_cache_hit_tokens: int = 0  # tokens the admissions of this step found in the prefix cache
     admitted_tokens: int = 0  # tokens (prompt + earlier outputs) of the sequences admitted in this step
+    forks: list[Fork] = field(default_factory=list)  # samples that join in this step, past their prefill
     draws: list[bool] = field(init=False)
 
     def __post_init__(self):
@@ -85,6 +105,7 @@ class Scheduler:
             batch = self._schedule_step(preemptions_before)
             stalled = [s for s in self.running if s.num_uncomputed_tokens > 1]
             if batch.seqs or not stalled:
+                batch.forks = self._fork_held_samples(batch)
                 return batch
             self._preempt(self._victim())  # only stalled prefill chunks are left: free the newest
 
@@ -98,6 +119,26 @@ class Scheduler:
             hits, admitted = self._admit(budget, seqs, counts, slots)
         return ScheduledBatch(seqs, counts, _concat(slots), num_decodes, self.num_preemptions - preemptions_before,
                               hits, admitted)
+
+    def _fork_held_samples(self, batch: ScheduledBatch) -> list[Fork]:
+        """Fork the held samples of each sequence that draws its first token in this batch (all of a
+        request's or none); queue them first in line where they do not fit."""
+        forks = []
+        for seq, draws in zip(batch.seqs, batch.draws):
+            if not (draws and seq.held_samples):
+                continue
+            children, seq.held_samples, copies = seq.held_samples, [], None
+            if len(self.running) + len(children) <= self.max_num_seqs:
+                with contextlib.suppress(OutOfBlocksError):
+                    copies = self.block_manager.fork(seq.seq_id, [c.seq_id for c in children])
+            if copies is None:
+                self.add_first(children)
+                continue
+            for child in children:
+                child.status, child.num_computed_tokens = Status.RUNNING, len(seq.prompt_token_ids)
+                self.running.append(child)
+            forks.append(Fork(seq, children, copies))
+        return forks
 
     def _victim(self) -> Sequence:
         """The newest running sequence that still draws tokens (a capped one frees its blocks when its

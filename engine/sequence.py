@@ -156,7 +156,7 @@ class Sequence:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its known full blocks
     sample_index: int = 0  # which of the request's n samples this is
-    held_samples: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, queued once this one's prompt is
+    held_samples: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, forked when this one's prompt is
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None for EOS)
     detokenizer: "IncrementalDetokenizer | None" = None  # only when sampling.stop is set
     output_text: str | None = None  # set when a stop string ended it: the text, cut; else decode the token ids

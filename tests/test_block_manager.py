@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -57,41 +59,65 @@ def test_batch_slot_mapping_is_all_or_nothing():
 
 
 operations = st.lists(
-    st.tuples(st.sampled_from(["create", "append", "release"]), st.integers(0, 5), st.integers(1, 40)),
+    st.tuples(st.sampled_from(["create", "append", "fork", "release"]), st.integers(0, 5), st.integers(1, 40)),
     max_size=60,
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(num_blocks=st.integers(1, 24), block_size=st.integers(1, 9), ops=operations)
-def test_random_lifecycles_keep_the_invariants(num_blocks, block_size, ops):
-    manager = KVBlockManager(num_blocks, block_size)
-    owner = {}  # slot -> sequence that wrote it
+@given(num_blocks=st.integers(1, 24), block_size=st.integers(1, 9), caching=st.booleans(), ops=operations)
+def test_random_lifecycles_keep_the_invariants(num_blocks, block_size, caching, ops):
+    """Against a simulated device (slot -> the label last written there): every live sequence reads back
+    its own tokens through its table, whatever was appended, forked (with the returned copies made) or
+    released since; a fork makes 1 or 2 children (as n says) with the lowest ids not live."""
+    manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    device, content, labels = {}, {}, itertools.count()  # content: sid -> the labels of its tokens
     for op, sid, n in ops:
         free_before = manager.num_free_blocks
+        if op in ("append", "fork") and manager.sequences:  # most draws reach a live sequence
+            sid = sorted(manager.sequences)[sid % len(manager.sequences)]
         try:
             if op == "create":
                 manager.create_sequence(sid)
+                content[sid] = []
             elif op == "append":
                 state = manager.state(sid)
                 start = state.sequence_length
                 slots = manager.append_tokens(sid, n).tolist()
                 assert slots == [slot_by_formula(state.block_table, p, block_size) for p in range(start, start + n)]
                 for slot in slots:
-                    assert owner.get(slot, sid) == sid, "slot shared by two live sequences"
-                    owner[slot] = sid
+                    device[slot] = next(labels)
+                    content[sid].append(device[slot])
+            elif op == "fork":
+                children = [c for c in range(8) if c not in manager.sequences][: 1 + n % 2]
+                parent = manager.state(sid)
+                copies = manager.fork(sid, children)
+                partial = parent.sequence_length % block_size != 0
+                assert copies == [(parent.block_table[-1], manager.state(c).block_table[-1])
+                                  for c in children if partial]
+                for src, dst in copies:
+                    for i in range(block_size):
+                        device[dst * block_size + i] = device.get(src * block_size + i)
+                content.update({c: list(content[sid]) for c in children})
             else:
-                blocks = set(manager.state(sid).block_table)
                 manager.release_sequence(sid)
-                owner = {s: o for s, o in owner.items() if s // block_size not in blocks}
+                del content[sid]
         except (OutOfBlocksError, UnknownSequenceError, DuplicateSequenceError):
             assert manager.num_free_blocks == free_before
         assert manager.invariants_ok()
-        waste = sum((-s.sequence_length) % block_size for s in manager.sequences.values())
+        live = manager.sequences.values()
+        assert {s.sequence_id for s in live} == set(content)
+        held = set()  # the slots of live tokens, each once
+        for s in live:
+            slots = [slot_by_formula(s.block_table, p, block_size) for p in range(s.sequence_length)]
+            assert [device.get(slot) for slot in slots] == content[s.sequence_id]
+            held.update(slots)
+        waste = sum((-s.sequence_length) % block_size for s in live)
         assert manager.internal_fragmentation_tokens() == waste
-        used = sum(len(s.block_table) for s in manager.sequences.values())  # nothing shared: no hashes
-        assert used * block_size - manager.stored_tokens() == waste
-        assert manager.stored_tokens() == manager.logical_tokens() and manager.num_cached_blocks == 0
+        assert manager.stored_tokens() == len(held) and manager.logical_tokens() == sum(map(len, content.values()))
+        used = {b for s in live for b in s.block_table}
+        assert manager.num_used_blocks == len(used) and len(used) * block_size - manager.stored_tokens() == waste
+        assert manager.num_cached_blocks == 0  # nothing registers a hash here
     for sid in list(manager.sequences):
         manager.release_sequence(sid)
     assert sorted(manager.free_blocks) == list(range(num_blocks)) and manager.invariants_ok()

@@ -1,6 +1,7 @@
 """Several samples per prompt (SamplingParams.n): sample i draws with seed sample_seed(seed, i), so it equals a
-one-sample run with that seed; the prompt is prefilled once (the other samples find its full blocks in the prefix
-cache); the job writes one row per (id, sample_index) and resumes exactly once per (id, sample_index)."""
+one-sample run with that seed; the prompt is prefilled once (the other samples are forked from the first when its
+last prompt chunk is computed); the job writes one row per (id, sample_index) and resumes exactly once per (id,
+sample_index)."""
 import errno
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from engine.sequence import sample_seed
 from jobs import JobError
 from jobs.generate import generate_job
 
-N, PROMPT_LEN, BLOCK, BUDGET = 4, 41, 4, 16  # 41 = 10 full blocks + 1: a sample after the first computes 1 token
+N, PROMPT_LEN, BLOCK, BUDGET = 4, 41, 4, 16  # 41 = 10 full blocks + 1: each fork copies a partial block
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,9 @@ def test_samples_are_single_runs_with_derived_seeds(tiny):
     assert [c.index for c in out.outputs] == list(range(N))
     samples = [tuple(c.token_ids) for c in out.outputs]
     assert len(set(samples)) == N, "samples at temperature 1 should differ"
-    # the prompt is prefilled once: sample 0 computes it in chunks of BUDGET; the others find its 10 full blocks
-    assert sum(s.num_prefill_tokens for s in run) == PROMPT_LEN + (N - 1) * (PROMPT_LEN % BLOCK)
-    assert sum(s.prefix_cache_hit_tokens for s in run) == (N - 1) * (PROMPT_LEN - PROMPT_LEN % BLOCK)
+    # the prompt is prefilled once: sample 0 computes it in chunks of BUDGET; the others are forked from it
+    assert sum(s.num_prefill_tokens for s in run) == PROMPT_LEN
+    assert sum(s.prefix_cache_hit_tokens for s in run) == 0
     for i, sample in enumerate(samples):
         alone = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=sample_seed(11, i), ignore_eos=True)
         assert tuple(tiny.generate([prompt], alone)[0].outputs[0].token_ids) == sample
@@ -43,22 +44,28 @@ def test_samples_are_single_runs_with_derived_seeds(tiny):
     assert len({sample_seed(s, i) for s in range(50) for i in range(1, 5)}) == 200
 
 
-def test_the_other_samples_wait_until_the_first_ones_prompt_is_scheduled(make_config):
+def test_the_other_samples_are_forked_when_the_first_ones_prompt_is_computed(make_config):
     from engine.engine import LLMEngine
 
     engine = LLMEngine(make_config("model.device=cpu", "model.max_model_len=128", f"cache.block_size={BLOCK}",
-                                   f"scheduler.max_num_batched_tokens={BUDGET}"))
+                                   f"scheduler.max_num_batched_tokens={BUDGET}", "cache.check_invariants=true"))
     first = engine.add_request("r", list(range(3, 3 + PROMPT_LEN)), SamplingParams(n=3, max_tokens=2, ignore_eos=True))
     others = list(first.held_samples)
     assert [s.sample_index for s in others] == [1, 2] and list(engine.scheduler.waiting) == [first]
     for _ in range(PROMPT_LEN // BUDGET):  # the prompt's chunks before its last
         engine.step()
-        assert first.num_computed_tokens < PROMPT_LEN and all(s not in engine.scheduler.waiting for s in others)
-    engine.step()  # the last chunk: every full block of the prompt is in the cache now
-    assert list(engine.scheduler.waiting) == others
-    engine.step()
+        assert first.num_computed_tokens < PROMPT_LEN and all(s not in engine.scheduler.running for s in others)
+    engine.step()  # the last chunk: the others draw their first token with it, past their prefill
+    assert list(engine.scheduler.running) == [first, *others] and not engine.scheduler.waiting
     assert [s.num_computed_tokens for s in others] == [PROMPT_LEN] * 2
-    assert engine.stats.steps[-1].prefix_cache_hit_tokens == 2 * (PROMPT_LEN - PROMPT_LEN % BLOCK)
+    assert [len(s.output_token_ids) for s in [first, *others]] == [1] * 3
+    tables = [engine.block_manager.state(s.seq_id).block_table for s in [first, *others]]
+    full = PROMPT_LEN // BLOCK
+    assert tables[1][:full] == tables[2][:full] == tables[0][:full]  # every full block shared
+    assert len({t[full] for t in tables}) == 3  # the partial last block: one copy each
+    assert [engine.block_manager.ref_counts[b] for b in tables[0]] == [3] * full + [1]
+    engine.step()
+    assert engine.stats.steps[-1].phase == "decode" and engine.stats.steps[-1].num_decode_seqs == 3
     assert len(list(engine.run())) == 3
 
 
@@ -104,6 +111,8 @@ def test_the_job_writes_a_row_per_sample_and_resumes_each_once(make_config, tmp_
     assert all(r["prompt"] == f"prompt {r['id'][1]}" for r in rows)
     summary = pq.read_table(whole / "summary.parquet").to_pylist()[0]
     assert summary["num_requests"] == 5 and summary["output_tokens"] == 3 * 11
+    steps = pq.read_table(whole / "steps.parquet").to_pylist()  # a prompt is computed once, whatever its n
+    assert sum(s["num_prefill_tokens"] + s["prefix_cache_hit_tokens"] for s in steps) == summary["prompt_tokens"]
 
     # the disk fills up after two parts; the run started again computes the rest, each sample once
     run = tmp_path / "run"
