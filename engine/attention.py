@@ -4,8 +4,8 @@ block tables and sequence lengths, sending decode rows and prefill rows to their
 A step's rows are ordered decode first: sequences 0 .. num_decode_seqs - 1 have one query token each
 (rows 0 .. num_decode_seqs - 1), the prefill chunks of the other sequences follow. A decode-only step is
 what the CUDA graphs capture. Decode rows in groups that share a prefix of blocks (engine/prefix_groups.py)
-take cascade attention, which reads each group's prefix once; without groups a step takes the plain path. The model file only computes q, k and v; everything about the cache and
-the batch's layout lives here.
+take cascade attention, which reads each group's prefix once; a step without groups takes the plain path.
+The model file only computes q, k and v; everything about the cache and the batch's layout lives here.
 """
 from dataclasses import dataclass
 

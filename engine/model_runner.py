@@ -4,8 +4,9 @@ Per-step metadata is built on the CPU with numpy (no per-token Python loops), st
 on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode-only
 steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode batches above the
 largest graph, run eagerly. With a CascadePolicy, decode rows that share a prefix of blocks take cascade
-attention (engine/prefix_groups.py). Only the last position of each sequence that draws a token gets logits, and
-the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time).
+attention (engine/prefix_groups.py). Only the last position of each sequence that draws a token gets
+logits, and the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at
+a time).
 """
 from dataclasses import dataclass
 
@@ -67,9 +68,9 @@ class ModelRunner:
 
     def _cascade(self, tables: np.ndarray, seq_lens: np.ndarray) -> CascadeMetadata | None:
         """The decode rows' shared-prefix groups that the policy takes (None: none); sets cascade_rows."""
-        groups = None
-        if self.cascade is not None:
-            groups = find_prefix_groups(tables, seq_lens, self.block_manager.block_size, self.cascade)
+        if self.cascade is None:
+            return None
+        groups = find_prefix_groups(tables, seq_lens, self.block_manager.block_size, self.cascade)
         self.cascade_rows = 0 if groups is None else groups.shared_rows
         if groups is None:
             return None

@@ -125,7 +125,7 @@ class Scheduler:
             else:
                 scheduled.append(seq)
                 slots.append(manager.append_token(seq.seq_id))
-        if self.order_decodes_by_prefix and len(scheduled) > 1:  # after the loop: victims are chosen by age
+        if self.order_decodes_by_prefix and len(scheduled) > 1:  # after the loop, which must go oldest first
             tables = manager.sequences
             order = sorted(range(len(scheduled)), key=lambda i: tables[scheduled[i].seq_id].block_table[0])
             scheduled, slots = [scheduled[i] for i in order], [slots[i] for i in order]
