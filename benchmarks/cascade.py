@@ -9,6 +9,14 @@ float32 partials the cascade writes and reads back, the time, and that K/V read'
 4.26 TB/s device copy; the two outputs must agree (relative error < 1e-2, else exit 1).
 A last line times the cascade op on a batch without groups (what a step without sharing would pay
 if it did not take the plain path). --sweep also times forced prefix chunk counts.
+
+--break-even (python3 benchmarks/cascade.py --break-even) times, instead, what the engine's decode graphs
+run: plain decode against the cascade op with its groups padded to the engine's static size (empty
+groups, engine/cuda_graphs.copy_groups), on batches of 256 rows: one group of r rows sharing a prefix of
+p tokens (r in 2..256, p in 16..2048) and 256 - r rows with contexts of their own of the same length,
+every row with its own suffix of 64-192 tokens. It prints the speed-up table and the smallest
+(rows, prefix) thresholds for engine/prefix_groups.py (CASCADE_MIN_ROWS, CASCADE_MIN_PREFIX_TOKENS)
+above which cascade wins everywhere in the grid.
 Without CUDA it prints a message and exits 0.
 """
 import argparse
@@ -17,51 +25,59 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ops  # noqa: E402
 from benchmarks.ops import bench  # noqa: E402
 from benchmarks.profile_decode import COPY_BYTES_PER_S  # noqa: E402
+from engine.attention import CascadeMetadata  # noqa: E402
+from engine.cuda_graphs import copy_groups  # noqa: E402
+from engine.prefix_groups import CascadePolicy  # noqa: E402
 from ops import cascade, paged_attention  # noqa: E402
 
 HQ, HKV, D, BS, PREFIX = 16, 8, 128, 16, 2048
 DT = torch.bfloat16
 ESZ = 2
+MAX_MODEL_LEN = 4096  # conf/model/qwen3-0.6b.yaml: the engine's graphs see block tables this wide
+BREAK_EVEN_BATCH = 256
+BREAK_EVEN_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
+BREAK_EVEN_PREFIXES = (16, 64, 128, 256, 512, 1024, 2048)
+WIN = 0.97  # cascade wins where it takes at most this share of plain decode's time
 
 
-def make_batch(batch, num_groups, suffixes, generator, dev="cuda"):
-    """Paged K/V and metadata: rows in num_groups contiguous groups sharing PREFIX tokens (their first
-    PREFIX // BS blocks), each row followed by its own suffix. Physical blocks are shuffled."""
-    rows_per_group = batch // num_groups
-    shared_blocks = PREFIX // BS
+def make_batch(group_sizes, prefix, suffixes, generator, dev="cuda"):
+    """Paged K/V and metadata: contiguous runs of group_sizes rows, the rows of a run sharing their first
+    prefix tokens (prefix // BS blocks; a run of one row shares with nobody), each row followed by its own
+    suffix. cu_group_rows / group_prefix_lens describe the runs of >= 2 rows, which come first. Physical
+    blocks are shuffled."""
+    batch, shared_blocks = sum(group_sizes), prefix // BS
     own_blocks = [-(-int(s) // BS) for s in suffixes]
-    num_blocks = num_groups * shared_blocks + sum(own_blocks)
+    num_blocks = len(group_sizes) * shared_blocks + sum(own_blocks)
     perm = torch.randperm(num_blocks, generator=generator).to(torch.int32)
-    width = shared_blocks + max(own_blocks)
-    tables = torch.zeros(batch, width, dtype=torch.int32)
-    next_block = num_groups * shared_blocks
-    for b in range(batch):
-        g = b // rows_per_group
+    tables = torch.zeros(batch, shared_blocks + max(own_blocks), dtype=torch.int32)
+    next_block = len(group_sizes) * shared_blocks
+    for b, g in enumerate(np.repeat(np.arange(len(group_sizes)), group_sizes).tolist()):
         tables[b, :shared_blocks] = perm[g * shared_blocks:(g + 1) * shared_blocks]
         tables[b, shared_blocks:shared_blocks + own_blocks[b]] = perm[next_block:next_block + own_blocks[b]]
         next_block += own_blocks[b]
     cache_shape = (num_blocks, HKV, BS, D)
+    shared = [n for n in group_sizes if n >= 2]
     return dict(
         q=torch.randn(batch, HQ, D, dtype=DT, device=dev),
         key_cache=torch.randn(cache_shape, dtype=DT, device=dev),
         value_cache=torch.randn(cache_shape, dtype=DT, device=dev),
         block_tables=tables.to(dev),
-        seq_lens=(PREFIX + torch.as_tensor(suffixes)).to(torch.int32).to(dev),
-        cu_group_rows=torch.arange(0, batch + 1, rows_per_group, dtype=torch.int32, device=dev),
-        group_prefix_lens=torch.full((num_groups,), PREFIX, dtype=torch.int32, device=dev),
+        seq_lens=(prefix + torch.as_tensor(suffixes)).to(torch.int32).to(dev),
+        cu_group_rows=torch.tensor(np.cumsum([0] + shared), dtype=torch.int32, device=dev),
+        group_prefix_lens=torch.full((len(shared),), prefix, dtype=torch.int32, device=dev),
     )
 
 
-def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=None):
-    x = make_batch(batch, num_groups, suffixes, generator)
-    scale = 1 / math.sqrt(D)
-    plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], scale)
+def time_pair(x, num_chunks=None):
+    """(plain us, cascade us, relative error of cascade against plain), as CUDA-graph replays."""
+    plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], 1 / math.sqrt(D))
     groups = (x["cu_group_rows"], x["group_prefix_lens"])
 
     def plain():
@@ -71,6 +87,12 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
         return cascade.cascade_attention_decode(*plain_args, *groups, num_chunks=num_chunks)
 
     err = ((cascaded().float() - plain().float()).norm() / plain().float().norm()).item()
+    return bench(plain, graph=True) * 1e3, bench(cascaded, graph=True) * 1e3, err
+
+
+def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=None):
+    x = make_batch([batch // num_groups] * num_groups, PREFIX, suffixes, generator)
+    t_plain, t_cascade, err = time_pair(x, num_chunks)
     per_token = 2 * HKV * D * ESZ  # K and V of one token
     total_tokens = int(x["seq_lens"].sum())
     suffix_tokens = total_tokens - batch * PREFIX
@@ -81,28 +103,87 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
     chunks = num_chunks or cascade.prefix_num_chunks(batch, HKV, block_q, max_ctx, x["q"].device)
     splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, x["q"].device)
     partial_bytes = 2 * batch * HQ * (chunks + splits) * D * 4  # written, then read by the merge
-    t_plain, t_cascade = bench(plain, graph=True), bench(cascaded, graph=True)
-    pct = lambda nbytes, ms: 100 * nbytes / (ms * 1e-3) / COPY_BYTES_PER_S  # noqa: E731
-    print(f"| {batch} | {num_groups} | {suffix_label} | {plain_bytes / 1e6:.0f} | {t_plain * 1e3:.1f} | "
+    pct = lambda nbytes, us: 100 * nbytes / (us * 1e-6) / COPY_BYTES_PER_S  # noqa: E731
+    print(f"| {batch} | {num_groups} | {suffix_label} | {plain_bytes / 1e6:.0f} | {t_plain:.1f} | "
           f"{pct(plain_bytes, t_plain):.0f}% | {cascade_bytes / 1e6:.1f} | {partial_bytes / 1e6:.1f} | "
-          f"{chunks}/{splits} | {t_cascade * 1e3:.1f} | {pct(cascade_bytes, t_cascade):.0f}% | "
+          f"{chunks}/{splits} | {t_cascade:.1f} | {pct(cascade_bytes, t_cascade):.0f}% | "
           f"{t_plain / t_cascade:.1f}x | {err:.1e} |", flush=True)
     del x
     torch.cuda.empty_cache()
     return err
 
 
+def engine_layout(x):
+    """x as the engine's cascade graphs see it: block tables MAX_MODEL_LEN wide (the split and chunk
+    counts come from that width), the groups padded with empty ones to the static size."""
+    dev = x["q"].device
+    entries = CascadePolicy.for_mode("on", dev).max_entries
+    static = CascadeMetadata(torch.empty(entries + 1, dtype=torch.int32, device=dev),
+                             torch.empty(entries, dtype=torch.int32, device=dev))
+    copy_groups(static, CascadeMetadata(x["cu_group_rows"], x["group_prefix_lens"]))
+    tables = x["block_tables"]
+    wide = torch.nn.functional.pad(tables, (0, MAX_MODEL_LEN // BS - tables.shape[1]), value=-1)
+    return {**x, "block_tables": wide, "cu_group_rows": static.cu_group_rows,
+            "group_prefix_lens": static.group_prefix_lens}
+
+
+def break_even(generator) -> float:
+    """Times plain and cascade decode for one group of r rows sharing p tokens in a batch of
+    BREAK_EVEN_BATCH rows, prints the speed-ups and the thresholds; returns the worst relative error."""
+    speedup, worst = {}, 0.0
+    for p in BREAK_EVEN_PREFIXES:
+        for r in BREAK_EVEN_ROWS:
+            suffixes = torch.randint(64, 193, (BREAK_EVEN_BATCH,), generator=generator)
+            x = engine_layout(make_batch([r] + [1] * (BREAK_EVEN_BATCH - r), p, suffixes, generator))
+            t_plain, t_cascade, err = time_pair(x)
+            speedup[r, p], worst = t_plain / t_cascade, max(worst, err)
+            del x
+            torch.cuda.empty_cache()
+    print(f"plain / cascade decode time (CUDA-graph replays), batch {BREAK_EVEN_BATCH}: one group of r rows sharing "
+          f"p tokens, the other rows as long but unshared, suffixes 64-192; * = cascade wins (<= {WIN:.0%} of plain)")
+    print("| rows \\ prefix | " + " | ".join(map(str, BREAK_EVEN_PREFIXES)) + " |")
+    print("|---" * (len(BREAK_EVEN_PREFIXES) + 1) + "|")
+    for r in BREAK_EVEN_ROWS:
+        cells = [f"{speedup[r, p]:.2f}{'*' if speedup[r, p] >= 1 / WIN else ''}" for p in BREAK_EVEN_PREFIXES]
+        print(f"| {r} | " + " | ".join(cells) + " |")
+    corners = win_corners(speedup)
+    print("cascade wins at every grid point with rows >= R and prefix >= P for (R, P) = "
+          + (", ".join(map(str, corners)) or "none"))
+    if corners:
+        r, p = max(corners, key=lambda c: sum(r2 >= c[0] and p2 >= c[1] for r2, p2 in speedup))
+        print(f"widest such region: CASCADE_MIN_ROWS = {r}, CASCADE_MIN_PREFIX_TOKENS = {p} (engine/prefix_groups.py)")
+    return worst
+
+
+def win_corners(speedup) -> list[tuple[int, int]]:
+    """For each row count R, the smallest prefix P such that cascade wins at every grid point with
+    rows >= R and prefix >= P (none where no such P exists)."""
+    corners = []
+    for r in BREAK_EVEN_ROWS:
+        winning = [p for p in BREAK_EVEN_PREFIXES
+                   if all(s >= 1 / WIN for (r2, p2), s in speedup.items() if r2 >= r and p2 >= p)]
+        if winning and (not corners or winning[0] < corners[-1][1]):  # a larger R with the same P adds nothing
+            corners.append((r, winning[0]))
+    return corners
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time forced prefix chunk counts")
+    ap.add_argument("--break-even", action="store_true",
+                    help="only the engine's break-even grid of group rows x prefix length (CASCADE_MIN_*)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/cascade.py needs a CUDA GPU; nothing to time here.")
         return 0
     t0 = time.time()
     generator = torch.Generator().manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name()}; bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BS}, shared prefix "
-          f"{PREFIX}; CUDA-graph replays; % = K/V bytes read / time / {COPY_BYTES_PER_S / 1e12:.2f} TB/s")
+    print(f"device: {torch.cuda.get_device_name()}; bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BS}")
+    if args.break_even:
+        worst = break_even(generator)
+        print(f"worst rel err cascade vs plain: {worst:.1e}; total {time.time() - t0:.0f} s")
+        return 0 if worst < 1e-2 else 1
+    print(f"shared prefix {PREFIX}; CUDA-graph replays; % = K/V bytes read / time / {COPY_BYTES_PER_S / 1e12:.2f} TB/s")
     hdr = ("| batch | groups | suffix | plain MB | plain us | plain % | cascade K/V MB | partials MB | "
            "chunks/splits | cascade us | cascade % | speed-up | rel err |")
     print(hdr + "\n" + "|---" * (hdr.count("|") - 1) + "|")
@@ -118,7 +199,7 @@ def main():
         for chunks in (1, 2, 4, 8, 16, 32):
             run_case(256, 1, "16", torch.full((256,), 16), generator, num_chunks=chunks)
     # no groups: the cascade op on a batch with nothing shared (the engine should call plain decode)
-    x = make_batch(256, 1, torch.full((256,), 16), generator)
+    x = make_batch([256], PREFIX, torch.full((256,), 16), generator)
     plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], 1 / math.sqrt(D))
     no_groups = (torch.zeros(1, dtype=torch.int32, device="cuda"), torch.zeros(0, dtype=torch.int32, device="cuda"))
     t_plain = bench(lambda: ops.paged_attention_decode(*plain_args), graph=True)

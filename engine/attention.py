@@ -3,8 +3,9 @@ block tables and sequence lengths, sending decode rows and prefill rows to their
 
 A step's rows are ordered decode first: sequences 0 .. num_decode_seqs - 1 have one query token each
 (rows 0 .. num_decode_seqs - 1), the prefill chunks of the other sequences follow. A decode-only step is
-what the CUDA graphs capture. The model file only computes q, k and v; everything about the cache and
-the batch's layout lives here.
+what the CUDA graphs capture. Decode rows in groups that share a prefix of blocks (engine/prefix_groups.py)
+take cascade attention, which reads each group's prefix once; a step without groups takes the plain path.
+The model file only computes q, k and v; everything about the cache and the batch's layout lives here.
 """
 from dataclasses import dataclass
 
@@ -28,15 +29,27 @@ class PrefillMetadata:
 
 
 @dataclass
+class CascadeMetadata:
+    """Groups of decode rows that share a prefix (int32, on the model's device; the layout of
+    ops.cascade_attention_decode): rows cu_group_rows[g]:cu_group_rows[g + 1] ([G + 1]) share their
+    first group_prefix_lens[g] ([G]) tokens; rows after cu_group_rows[G] share nothing."""
+
+    cu_group_rows: torch.Tensor
+    group_prefix_lens: torch.Tensor
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step addressing shared by every layer. slot_mapping [T]: the cache slot of each row's K/V
     (-1: write nothing); block_tables [Bd, M] and seq_lens [Bd] of the decode rows; prefill: the
-    chunks, None in a decode-only step."""
+    chunks, None in a decode-only step; cascade: the decode rows' shared-prefix groups, None when
+    no row reads a shared prefix this step."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     prefill: PrefillMetadata | None = None
+    cascade: CascadeMetadata | None = None
 
     @property
     def num_decode_seqs(self) -> int:
@@ -62,7 +75,11 @@ class PagedAttention(nn.Module):
         return out.flatten(1)
 
     def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata):
-        return ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale)
+        if meta.cascade is None:
+            return ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale)
+        # no max_group_rows hint: a row tile per group size would be one more kernel to compile mid-run
+        return ops.cascade_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                            meta.cascade.cu_group_rows, meta.cascade.group_prefix_lens)
 
     def _prefill(self, q, key_cache, value_cache, chunks: PrefillMetadata):
         # no max_seqlen_q hint: a tile size per chunk length would be one more kernel to compile mid-run

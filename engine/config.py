@@ -28,6 +28,7 @@ from engine.sequence import FIELD_KINDS, SamplingParams
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+CASCADE_MODES = ("auto", "on", "off")
 THREADED_HIDDEN_SIZE = 1024  # below this a layer's matmuls are too small to share between CPU threads
 
 
@@ -80,6 +81,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights, activations and KV
     check_invariants: bool = False  # debug: check the block manager's invariants after every step
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks that earlier sequences computed
+    cascade_attention: str = "auto"  # auto | on | off: decode reads a prefix that sequences share once per step; auto: on CUDA, where it pays off
 
 
 @dataclass
@@ -317,6 +319,10 @@ def validate(cfg) -> None:
     _check(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)
     _check(c.kv_budget_gb is None or c.kv_budget_gb > 0, "cache.kv_budget_gb", "must be > 0", c.kv_budget_gb)
     _check(0 < c.gpu_memory_utilization <= 1, "cache.gpu_memory_utilization", "must be in (0, 1]", c.gpu_memory_utilization)
+    modes = ", ".join(CASCADE_MODES)
+    if c.cascade_attention in ("True", "False"):  # YAML reads unquoted on and off as booleans
+        modes += " (quote on and off in YAML files)"
+    _check(c.cascade_attention in CASCADE_MODES, "cache.cascade_attention", f"must be one of {modes}", c.cascade_attention)
     _check(s.max_num_seqs is None or s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
     _check(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
            "must be >= 1", s.max_num_batched_tokens)

@@ -12,6 +12,7 @@ from engine.generation_config import read_generation_config, stop_ids
 from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
+from engine.prefix_groups import CascadePolicy
 from engine.sampler import MAX_LOGPROBS, scores_prompt
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
@@ -81,10 +82,11 @@ class LLMEngine:
                  num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.bytes / 1e9,
                  num_blocks / max_blocks_per_seq, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, self.block_size, self.prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
-                                  self.eos_token_ids)
+                                  self.eos_token_ids, cascade)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
         self._in_flight: InFlight | None = None
@@ -172,6 +174,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         stats = snapshot(len(self.stats.steps), batch, self.scheduler, self.block_manager, self.max_model_len)
         launched = self.runner.launch(batch, self._in_flight) if batch.seqs else None
+        stats.cascade_rows = self.runner.cascade_rows if batch.seqs else 0
         self._account(batch)
         finished = self._resolve(self._in_flight) if self._in_flight else []
         self._in_flight = launched

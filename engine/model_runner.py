@@ -3,9 +3,10 @@
 Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
 on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode-only
 steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode batches above the
-largest graph, run eagerly. Only the last position of each sequence that draws a token gets logits, and
-the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The
-samples forked from a sequence in a step draw from its logits row, each with its own seed.
+largest graph, run eagerly. With a CascadePolicy, decode rows that share a prefix of blocks take cascade
+attention (engine/prefix_groups.py). Only the last position of each sequence that draws a token gets
+logits, and the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at
+a time). The samples forked from a sequence in a step draw from its logits row, each with its own seed.
 """
 from dataclasses import dataclass
 
@@ -13,11 +14,12 @@ import numpy as np
 import torch
 
 import ops
-from engine.attention import AttentionMetadata, PrefillMetadata
+from engine.attention import AttentionMetadata, CascadeMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
+from engine.prefix_groups import CascadePolicy, find_prefix_groups
 from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, sample, to_host
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import Sequence
@@ -27,14 +29,17 @@ PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprob
 
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
-                 device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0, eos_token_ids=()):
+                 device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0, eos_token_ids=(),
+                 cascade: CascadePolicy | None = None):
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
+        self.cascade = cascade
+        self.cascade_rows = 0  # decode rows of the last prepared step that read a shared prefix
         self.eos_token_ids = tuple(eos_token_ids)  # banned before min_tokens
         self.pin = device.type == "cuda"
         self.history = TokenHistory(max_blocks_per_seq * block_manager.block_size, device)
         self.graphs = None
         if device.type == "cuda" and max_graph_batch > 0:
-            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device)
+            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device, cascade)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
@@ -57,12 +62,23 @@ class ModelRunner:
             prefill = PrefillMetadata(self._to_device(tables[n:]), self._to_device(seq_lens[n:]),
                                       self._to_device(cu_seqlens[n:] - n))
         meta = AttentionMetadata(self._to_device(batch.slot_mapping), self._to_device(tables[:n]),
-                                 self._to_device(seq_lens[:n]), prefill)
+                                 self._to_device(seq_lens[:n]), prefill, self._cascade(tables[:n], seq_lens[:n]))
         sampled_rows = self._to_device(cu_seqlens[1:][np.array(batch.draws, dtype=bool)].astype(np.int64) - 1)
         return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, sampled_rows
 
+    def _cascade(self, tables: np.ndarray, seq_lens: np.ndarray) -> CascadeMetadata | None:
+        """The decode rows' shared-prefix groups that the policy takes (None: none); sets cascade_rows."""
+        if self.cascade is None:
+            return None
+        groups = find_prefix_groups(tables, seq_lens, self.block_manager.block_size, self.cascade)
+        self.cascade_rows = 0 if groups is None else groups.shared_rows
+        if groups is None:
+            return None
+        return CascadeMetadata(self._to_device(groups.cu_group_rows), self._to_device(groups.group_prefix_lens))
+
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.prefill is None and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
+        if (meta.prefill is None and self.graphs is not None
+                and self.graphs.fits(input_ids.shape[0], meta.cascade is not None)):
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_cache, meta)
 

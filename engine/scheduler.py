@@ -4,7 +4,9 @@ Each step spends a token budget (max_num_batched_tokens): one token for every ru
 decodes, then chunks of the sequences still being prefilled (continuing chunks first, in admission
 order), then new admissions, first come first served. So no step runs prefill alone while admitted
 sequences wait to decode, unless the budget is full of decodes. A batch lists its decode rows first
-(engine/attention.py routes them to the decode kernel) and its prefill chunks after.
+(engine/attention.py routes them to the decode kernel) and its prefill chunks after. With
+order_decodes_by_prefix (cascade attention) the decode rows are sorted by the physical id of their first
+block (stably), so sequences that share a prefix of blocks are adjacent (engine/prefix_groups.py).
 
 While sequences decode, new ones are admitted a batch at a time: only once admission_batch
 (max_num_seqs // 8) sequence slots are free, or the waiting queue is shorter than that. A step with
@@ -79,8 +81,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: KVBlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: KVBlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 order_decodes_by_prefix: bool = False):
         self.block_manager = block_manager
+        self.order_decodes_by_prefix = order_decodes_by_prefix
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_batch = max(1, max_num_seqs // 8)
@@ -162,6 +166,10 @@ class Scheduler:
             else:
                 scheduled.append(seq)
                 slots.append(manager.append_token(seq.seq_id))
+        if self.order_decodes_by_prefix and len(scheduled) > 1:  # after the loop, which must go oldest first
+            tables = manager.sequences
+            order = sorted(range(len(scheduled)), key=lambda i: tables[scheduled[i].seq_id].block_table[0])
+            scheduled, slots = [scheduled[i] for i in order], [slots[i] for i in order]
         return scheduled, [1] * len(scheduled), [np.array(slots, dtype=np.int32)]
 
     def _schedule_chunks(self, budget: int, seqs: list, counts: list, slots: list) -> int:

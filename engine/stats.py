@@ -19,6 +19,8 @@ Per step (measured after scheduling, when the step's slots are allocated and its
                                     contiguous slots per sequence would hold back for the same sequences
     contiguous_kv_utilization_pct = logical tokens / contiguous_reserved_slots
     block_table_bytes             = 4 bytes (int32) per block-table entry of the live sequences
+    cascade_rows                  = decode rows that read a prefix shared with other rows once for the group
+                                    (cascade attention: engine/prefix_groups.py); set after the step's launch
 A step with no live sequence has no defined utilization (0 in its row); run-level means skip such steps.
 
 Per run (StatsRecorder.summary), from the steps:
@@ -68,6 +70,7 @@ class StepStats:
     contiguous_kv_utilization_pct: float
     block_table_bytes: int
     preemptions: int
+    cascade_rows: int = 0
     finished: int = 0
     step_time_s: float = 0.0
 

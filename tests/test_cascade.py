@@ -187,6 +187,29 @@ def test_reference_merge_is_exact_attention(gen):
     assert torch.allclose(full.double(), expect, atol=1e-5) and torch.allclose(merged[0].double(), expect, atol=1e-5)
 
 
+def test_graph_layout(gen, nan_buffers):
+    """A step as an engine cascade graph runs it (engine/cuda_graphs.py): its groups (one of them a plain
+    run between two sharing groups) padded by copy_groups with empty groups up to the static size, then
+    the bucket's padding rows (seq_len 0, another row's block table) after every group and the plain row."""
+    from engine.attention import CascadeMetadata
+    from engine.cuda_graphs import copy_groups
+
+    dtype, pad_rows, entries = torch.float32, 3, 8
+    args, (cu, prefixes) = cascade_inputs((16, 8, 2, 64, [(32, [32, 40, 77]), (0, [20, 9]), (48, [48, 60])], [5]),
+                                          dtype, gen)
+    q, key_cache, value_cache, bt, seq_lens, scale = args
+    static = CascadeMetadata(torch.full((entries + 1,), 99, dtype=torch.int32, device=DEVICE),
+                             torch.full((entries,), 99, dtype=torch.int32, device=DEVICE))
+    copy_groups(static, CascadeMetadata(cu, prefixes))
+    assert static.cu_group_rows.tolist() == [0, 3, 5, 7] + [7] * (entries - 3)
+    assert static.group_prefix_lens.tolist() == [32, 0, 48] + [0] * (entries - 3)
+    padded = (torch.cat([q, torch.randn(pad_rows, *q.shape[1:], generator=gen).to(DEVICE)]), key_cache, value_cache,
+              torch.cat([bt, bt[:pad_rows]]), torch.cat([seq_lens, seq_lens.new_zeros(pad_rows)]), scale)
+    out = ops.cascade_attention_decode(*padded, static.cu_group_rows, static.group_prefix_lens, backend="triton")
+    check(out[:q.shape[0]], decode_oracle(*args), dtype, gen, "graph layout")
+    assert torch.isfinite(out[q.shape[0]:]).all()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cascade_cuda_graph(gen):
     """One capture, replayed with other seq_lens, groups and prefix lengths of the same shapes."""

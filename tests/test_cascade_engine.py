@@ -1,0 +1,48 @@
+"""Cascade attention in the engine: greedy float32 generation on prompts that share long prefixes stays
+token-exact with transformers, with the path taken (steps.parquet's cascade_rows) or, with off, not."""
+import pytest
+import torch
+
+from engine.config import ConfigError, validate
+from engine.engine import LLMEngine
+from engine.sequence import SamplingParams
+from test_oracle import MAX_TOKENS, reference_outputs
+
+
+@pytest.fixture(scope="module")
+def interleaved_prefix_prompts(qwen3_checkpoint):
+    """Prompts from two heads of several 16-token blocks, submitted interleaved (so only the scheduler's
+    ordering makes sharers adjacent), with transformers' greedy outputs."""
+    _, hf_model = qwen3_checkpoint
+    generator = torch.Generator().manual_seed(5)
+    draw = lambda n: torch.randint(0, 256, (n,), generator=generator).tolist()  # noqa: E731
+    head_a, head_b = draw(50), draw(37)
+    prompts = [head_a + draw(3), head_b + draw(8), head_a + draw(20), head_b + draw(1), head_a + draw(11), head_a]
+    outputs, gap = reference_outputs(hf_model, prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    return prompts, outputs
+
+
+@pytest.mark.parametrize("mode, block_size", [("on", 1), ("on", 16), ("off", 16)])
+def test_greedy_matches_transformers_with_cascade(make_config, qwen3_checkpoint, interleaved_prefix_prompts,
+                                                   mode, block_size):
+    path, _ = qwen3_checkpoint
+    prompts, expected = interleaved_prefix_prompts
+    config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto", "model.dtype=float32",
+                         f"cache.block_size={block_size}", f"cache.cascade_attention={mode}",
+                         "scheduler.max_num_seqs=8", "cache.check_invariants=true")
+    engine = LLMEngine(config)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    assert len(list(engine.run())) == len(prompts)
+    assert [s.output_token_ids for s in seqs] == expected
+    cascade_rows = engine.stats.table().column("cascade_rows").to_pylist()
+    if mode == "off":
+        assert sum(cascade_rows) == 0
+    else:  # both heads' groups while all six decode: 4 + 2 rows
+        assert max(cascade_rows) == len(prompts)
+
+
+def test_bad_mode_names_the_key_and_the_choices(make_config):
+    with pytest.raises(ConfigError, match=r"cache\.cascade_attention must be one of auto, on, off, got 'sometimes'"):
+        validate(make_config("cache.cascade_attention=sometimes", "job=generate"))
