@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# cache.cascade_attention=auto takes a group only where it pays off. Provisional values: the H200
-# break-even (benchmarks/cascade.py --break-even) sets them.
-CASCADE_MIN_ROWS = 8
-CASCADE_MIN_PREFIX_TOKENS = 256
+# cache.cascade_attention=auto takes a group only where it pays off. On the H200 (benchmarks/cascade.py
+# --break-even, batch 256) cascade wins everywhere with >= 128 rows sharing >= 1,024 tokens, and loses below
+# 128 rows at every prefix: plain decode then reads a shared prefix of a few MB from L2, not from HBM.
+CASCADE_MIN_ROWS = 128
+CASCADE_MIN_PREFIX_TOKENS = 1024
 MAX_CASCADE_GROUPS = 8  # sharing groups per step: those that save the most K/V reads
 
 
