@@ -12,10 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# cache.cascade_attention=auto takes a group only where it pays off. On the H200 (benchmarks/cascade.py
-# --break-even, batch 256) cascade wins everywhere with >= 128 rows sharing >= 1,024 tokens, and loses below
-# 128 rows at every prefix: plain decode then reads a shared prefix of a few MB from L2, not from HBM.
-CASCADE_MIN_ROWS = 128
+# cache.cascade_attention=auto takes a group only where it pays off. On the H200, benchmarks/cascade.py
+# --break-even (one group among 256 decode rows, the others unshared) has cascade win everywhere with
+# >= 128 rows sharing >= 1,024 tokens, and a 64-row group lose 2-10% (plain decode reads a shared prefix of a
+# few MB from L2, and the cascade path's partials cost every row); but in shared_prefix, where every row
+# shares, plain steps of 64-127 rows took 6.45 ms against 4.25 ms for cascade steps of 128-191 rows.
+CASCADE_MIN_ROWS = 64
 CASCADE_MIN_PREFIX_TOKENS = 1024
 MAX_CASCADE_GROUPS = 8  # sharing groups per step: those that save the most K/V reads
 

@@ -30,6 +30,7 @@ def test_greedy_matches_transformers_with_cascade(make_config, qwen3_checkpoint,
     prompts, expected = interleaved_prefix_prompts
     config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto", "model.dtype=float32",
                          f"cache.block_size={block_size}", f"cache.cascade_attention={mode}",
+                         f"cache.num_blocks={len(prompts) * 128 // block_size}",  # on CUDA: not the whole device
                          "scheduler.max_num_seqs=8", "cache.check_invariants=true")
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
