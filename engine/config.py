@@ -139,12 +139,28 @@ class AnalyzeJob:
     plots: bool = True  # write the PNG plots
 
 
+EXECUTORS = ("local", "ray")
+
+
+@dataclass
+class ExecutorConfig:
+    """Where the engines run: local (one engine in this process) or ray (jobs/ray_executor.py: one engine
+    per Ray actor, the rows spread over them with Ray Data). The other keys are the ray executor's."""
+
+    name: str = "local"  # local | ray; set by executor=NAME
+    num_engines: Optional[int] = None  # ray: engine actors; null: one per GPU that Ray sees (set it on a CPU machine)
+    gpus_per_engine: float = 1.0  # ray: GPUs each engine actor holds (0: CPU engines)
+    address: Optional[str] = None  # ray: a cluster to attach to (e.g. auto); null: start a local Ray
+    batch_size: int = 512  # ray: input rows handed to an engine at a time, each run to completion
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     job: Any = MISSING
 
 
@@ -306,6 +322,16 @@ def sampling_params(sampling_cfg) -> SamplingParams:
         raise ConfigError(f"sampling.{err}") from None
 
 
+def check_executor(e) -> None:
+    _check(e.name in EXECUTORS, "executor.name", f"must be one of {EXECUTORS} (set it with executor=NAME)", e.name)
+    _check(e.num_engines is None or e.num_engines >= 1, "executor.num_engines", "must be >= 1 or null (one per GPU)",
+           e.num_engines)
+    _check(e.gpus_per_engine >= 0, "executor.gpus_per_engine", "must be >= 0", e.gpus_per_engine)
+    _check(e.batch_size >= 1, "executor.batch_size", "must be >= 1", e.batch_size)
+    _check(e.address is None or bool(e.address.strip()), "executor.address",
+           "must be a Ray address such as auto or ray://host:10001, or null for a local Ray", e.address)
+
+
 def validate(cfg) -> None:
     """Raise ConfigError naming the first field whose value cannot work."""
     check_keys(cfg)
@@ -329,6 +355,7 @@ def validate(cfg) -> None:
     sampling_params(p)
     if c.num_blocks is not None:
         check_pool(c.num_blocks, c.block_size, m.max_model_len)
+    check_executor(cfg.executor)
     if cfg.job.name == "generate":
         j = cfg.job
         _check(j.flush_every >= 1, "job.flush_every", "must be >= 1", j.flush_every)

@@ -16,6 +16,7 @@ The floor (engine/stats.py, workload_floor_s) uses the device's copy and matmul 
 and the tokens actually generated; with prefix caching, only the prompt tokens not served from the cache.
 """
 import dataclasses
+import importlib
 import logging
 import random
 import time
@@ -134,6 +135,8 @@ def run(cfg) -> None:
     if longest > cfg.model.max_model_len:
         raise JobError(f"job.workload={cfg.job.workload}: requests of up to {longest} tokens (prompt and output) "
                        f"need model.max_model_len >= {longest}, it is {cfg.model.max_model_len}")
+    if cfg.executor.name == "ray":  # imported only where asked for
+        return importlib.import_module("jobs.ray_executor").run_bench(cfg)
     rates = device_rates(*resolve_device(cfg.model))  # before the KV pool takes the device's memory
     engine = LLMEngine(cfg)
     requests = workload(cfg.job, default_sampling(cfg), engine.model.arch.vocab_size)

@@ -123,7 +123,11 @@ def run_summary(engine: LLMEngine, cfg, num_requests: int, num_errors: int, prom
 
 
 def write_run_stats(engine: LLMEngine, cfg, directory: Path, summary: dict) -> None:
-    write_atomic(engine.stats.table(), directory / "steps.parquet", cfg)
+    write_stats(engine.stats.table(), cfg, directory, summary)
+
+
+def write_stats(steps: pa.Table, cfg, directory: Path, summary: dict) -> None:
+    write_atomic(steps, directory / "steps.parquet", cfg)
     write_atomic(pa.Table.from_pylist([summary]), directory / "summary.parquet", cfg)
     log.info("%d requests, %d output tokens in %.2f s: %.1f output tok/s; wrote %s",
              summary["num_requests"], summary["output_tokens"], summary["wall_time_s"],

@@ -24,9 +24,10 @@ them as they are.
 """
 import contextlib
 import dataclasses
+import importlib
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -162,21 +163,31 @@ def generate(llm: LLM, requests: Iterator[Request], writer: ResultWriter, total:
              chat_template_kwargs: dict | None = None) -> dict:
     """Run the requests, handing each request's result rows to the writer; returns the counts of
     summary.parquet (prompt_tokens counts a prompt once, whatever its n)."""
-    counts = {"num_requests": 0, "num_errors": 0, "prompt_tokens": 0, "output_tokens": 0}
+    counts = new_counts()
     llm.engine.stats.restart_clock()  # time the generate loop, not the set-up before it
     progress = Progress(total)
     try:
         for out in llm.stream(requests, chat_template_kwargs=chat_template_kwargs):
             rows = result_rows(out)
             writer.add(*rows)
-            output_tokens = sum(row["output_tokens"] for row in rows)
-            counts["num_errors" if out.error else "num_requests"] += 1
-            counts["prompt_tokens"] += rows[0].get("prompt_tokens") or 0
-            counts["output_tokens"] += output_tokens
-            progress.finished(output_tokens)
+            progress.finished(tally(counts, rows))
     finally:
         progress.close()
     return counts
+
+
+def new_counts() -> dict:
+    return {"num_requests": 0, "num_errors": 0, "prompt_tokens": 0, "output_tokens": 0}
+
+
+def tally(counts: dict, rows: list[dict]) -> int:
+    """Add the result rows of one input row (result_rows) to the counts of summary.parquet; returns its
+    output tokens. prompt_tokens counts a prompt once, whatever its n."""
+    output_tokens = sum(row["output_tokens"] for row in rows)
+    counts["num_errors" if rows[0]["finish_reason"] == "error" else "num_requests"] += 1
+    counts["prompt_tokens"] += rows[0].get("prompt_tokens") or 0
+    counts["output_tokens"] += output_tokens
+    return output_tokens
 
 
 def generate_job(cfg, directory: Path) -> None:
@@ -194,21 +205,9 @@ def generate_job(cfg, directory: Path) -> None:
                 log.info("resuming: %d of %d rows already written in %s; computing the other %d",
                          writer.resumed, source.num_rows, writer.parts_dir, todo)
             if todo:
-                llm = LLM.from_config(cfg)
-                if columns.conversation or job.chat_template:
-                    try:
-                        llm.check_chat_template()
-                    except ConfigError as err:
-                        raise JobError(f"{chat_input(job, columns)}, but {err}") from None
-                defaults = llm.default_sampling
-                requests = (to_request(row, fields, defaults, job.chat_template)
-                            for row, fields in input_rows(source, columns, BATCH_ROWS) if writer.saved[row] < 0)
-                kwargs = OmegaConf.to_container(job.chat_template_kwargs) if job.chat_template_kwargs else None
-                counts = generate(llm, requests, writer, todo, kwargs)
-                writer.flush()  # every row saved before the stats: a kill from here on loses no work
-                summary = run_summary(llm.engine, cfg, **counts)
-                summary["resumed_rows"] = writer.resumed
-                write_run_stats(llm.engine, cfg, directory, summary)
+                compute = run_local if cfg.executor.name == "local" else \
+                    importlib.import_module("jobs.ray_executor").run_generate  # Ray only where asked for
+                compute(cfg, source, columns, writer, directory)
             else:
                 log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")
             final = directory / ("generations.jsonl" if job.output_format == "openai" else "generations.parquet")
@@ -238,6 +237,39 @@ def generate_job(cfg, directory: Path) -> None:
         _save(writer)
         raise
     log.info("wrote %s: %d rows", final, source.num_rows)
+
+
+def run_local(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, directory: Path) -> None:
+    """executor=local: the rows not saved yet through one engine in this process, then steps.parquet and
+    summary.parquet."""
+    job = cfg.job
+    llm = LLM.from_config(cfg)
+    check_chat_input(job, columns, llm.check_chat_template)
+    requests = (to_request(row, fields, llm.default_sampling, job.chat_template)
+                for row, fields in pending_rows(source, columns, writer))
+    counts = generate(llm, requests, writer, source.num_rows - writer.resumed, chat_kwargs(job))
+    writer.flush()  # every row saved before the stats: a kill from here on loses no work
+    summary = run_summary(llm.engine, cfg, **counts)
+    summary["resumed_rows"] = writer.resumed
+    write_run_stats(llm.engine, cfg, directory, summary)
+
+
+def pending_rows(source: InputFiles, columns: Columns, writer: ResultWriter) -> Iterator[tuple[int, dict]]:
+    """(row number, fields) of the input rows that no earlier run saved (jobs.inputs.input_rows), in order."""
+    return ((row, fields) for row, fields in input_rows(source, columns, BATCH_ROWS) if writer.saved[row] < 0)
+
+
+def chat_kwargs(job) -> dict | None:
+    return OmegaConf.to_container(job.chat_template_kwargs) if job.chat_template_kwargs else None
+
+
+def check_chat_input(job, columns: Columns, check_chat_template: Callable[[], None]) -> None:
+    """JobError when the input needs a chat template and check_chat_template (LLM's) finds none."""
+    if columns.conversation or job.chat_template:
+        try:
+            check_chat_template()
+        except ConfigError as err:
+            raise JobError(f"{chat_input(job, columns)}, but {err}") from None
 
 
 def chat_input(job, columns: Columns) -> str:
