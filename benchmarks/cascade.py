@@ -1,4 +1,4 @@
-"""GPU benchmark of cascade (shared-prefix) decode attention (issue 12): python3 benchmarks/cascade.py
+"""GPU benchmark of cascade (shared-prefix) decode attention: python3 benchmarks/cascade.py
 
 Qwen3-0.6B heads (16 q, 8 kv, head_dim 128), bf16, block_size 16. Every row has a 2048-token prefix
 shared with the other rows of its group (1 or 8 groups) and its own suffix (16, 128 or 512 tokens, or

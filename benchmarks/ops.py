@@ -1,4 +1,4 @@
-"""GPU benchmark of the paged-KV ops (issue 3). Run on a CUDA machine: python3 benchmarks/ops.py
+"""GPU benchmark of the paged-KV ops. Run on a CUDA machine: python3 benchmarks/ops.py
 
 Prints, in one run:
 - the two ceilings: a large device-to-device copy (bytes read + written) and a bf16 8192^3 matmul;

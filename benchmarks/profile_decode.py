@@ -1,4 +1,4 @@
-"""Where a decode step's time goes on the GPU: busy share and host overhead per step (issue 4).
+"""Where a decode step's time goes on the GPU: busy share and host overhead per step.
 
 Builds the engine on the Qwen3-0.6B shape, prefills N prompts, then times decode steps: wall time
 (no profiler), summed kernel time (torch.profiler, CUDA activity only), their difference per step as

@@ -1,4 +1,4 @@
-"""First-use costs: the nano workload three times over in one engine (issue 4).
+"""First-use costs: the nano workload three times over in one engine.
 
 A cost paid the first time a shape or a kernel occurs (cuBLAS choosing a kernel for a new matmul shape,
 a CUDA graph's first replay, pinned buffers of a new size) shows as a first round slower than the

@@ -1,27 +1,27 @@
-"""GPU benchmark of sampling (issue 10, item 6). Run on a CUDA machine: python3 benchmarks/sampling.py
+"""GPU benchmark of sampling. Run on a CUDA machine: python3 benchmarks/sampling.py
 
-engine.sampler.sample with the Triton kernels of ops/sampling.py against the sort-based sampler
-they replace (its code is kept below as it was), at Qwen3's vocabulary (151,936) with bf16 logits,
+engine.sampler.sample with the Triton kernels of ops/sampling.py against a sort-based sampler (the
+usual torch recipe, kept below as the baseline), at Qwen3's vocabulary (151,936) with bf16 logits,
 batch 1 / 64 / 256, temperature 0.7, for two logit distributions: flat, as a random-weights
 Qwen3-0.6B gives them (std 0.02 x sqrt(hidden 1024) = 0.64), and peaked, N(0, 3^2). Cases:
 temperature only (gumbel_sample), top_p 0.9, top_k 20 + top_p 0.95 (Qwen3's settings), top_k 50,
 and temperature only forced through the top-k/top-p kernels (what an untruncated row costs in a
 batch where other rows truncate). Prints microseconds per call (triton.testing.do_bench medians,
-eager calls: launch overhead included) and checks every row of the new path against
-ops/sampling_reference.py, which defines the kept set by tie groups (the old sampler cut ties by
-sort position, so it is timed, not compared). Rows whose kept set depends on float32 rounding (a
+eager calls: launch overhead included) and checks every row of the kernels' path against
+ops/sampling_reference.py, which defines the kept set by tie groups (the sort-based sampler cuts ties
+by sort position, so it is timed, not compared). Rows whose kept set depends on float32 rounding (a
 token's mass within 1e-5 of top_p) are counted apart. Exit status 1 when a row disagrees. On a
 machine without CUDA it says so and exits with 0.
 
-Then the sampler's other features on the same logits (issue 8), microseconds per call: min_p 0.05
+Then the sampler's other features on the same logits, microseconds per call: min_p 0.05
 (sample, checked against the reference); logprobs k=5 (ops.logprobs after a draw: its Triton kernel,
 checked against the reference, and the reference's torch ops for comparison); min_tokens (two banned
 ids per row) and penalties (repetition 1.1, presence 0.3, frequency 0.3 over 1,024-token histories)
 added to a temperature-only draw.
 
 python3 benchmarks/sampling.py --nano: the nano workload through the engine (Qwen3-0.6B shape, random
-weights) in rounds alternating logprobs None and 5, output tok/s of each and their ratio (the issue
-allows logprobs=5 to cost 5%).
+weights) in rounds alternating logprobs None and 5, output tok/s of each and their ratio (logprobs=5 is
+meant to cost at most 5%).
 """
 import dataclasses
 import os
@@ -47,7 +47,7 @@ CASES = {  # name: (top_k, top_p)
 }
 
 
-# --- the sort-based sampler of engine/sampler.py before this change --------------------------
+# --- the baseline: a sort-based sampler (ties cut by sort position) ---------------------------
 def truncate(logits, top_k, top_p):
     sorted_logits, token_ids = logits.sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)

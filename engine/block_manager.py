@@ -159,11 +159,6 @@ class KVBlockManager:
     def can_append(self, sequence_id: int, num_tokens: int) -> bool:
         return self.new_blocks_for(sequence_id, num_tokens) <= self.num_free_blocks
 
-    def stored_tokens(self) -> int:
-        """Tokens held in the pool, each physical block counted once. Only full blocks are shared,
-        so every partial block is one sequence's own last block."""
-        return self.num_used_blocks * self.block_size - self.internal_fragmentation_tokens()
-
     def logical_tokens(self) -> int:
         """Tokens of all live sequences, shared ones counted per sequence (what a cache without
         sharing would hold)."""

@@ -38,7 +38,7 @@ from engine.config import ConfigError
 from engine.engine import RequestError
 from engine.llm import LLM, Request, RequestOutput, default_sampling  # noqa: F401 (default_sampling: for the bench)
 from engine.sequence import SamplingParams
-from jobs import JobError
+from jobs import JobError, first_line
 from jobs.common import Progress, run_dir, run_lock, run_summary, write_run_stats
 from jobs.inputs import CHAT_URL, Columns, InputFiles, check_ids, input_rows, openai_sampling, plan_columns
 from jobs.parquet import OutputError
@@ -230,7 +230,7 @@ def generate_job(cfg, directory: Path) -> None:
         raise JobError(f"{err}; {kept}fix it and run again with hydra.run.dir={directory} to resume") from None
     except OUT_OF_MEMORY as err:
         _save(writer)
-        raise JobError(f"out of device memory ({str(err).splitlines()[0]}); finished rows are saved: lower "
+        raise JobError(f"out of device memory ({first_line(err)}); finished rows are saved: lower "
                        f"scheduler.max_num_batched_tokens or cache.gpu_memory_utilization and run again with "
                        f"the same hydra.run.dir to resume") from None
     except BaseException:

@@ -44,7 +44,7 @@ import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from engine.sequence import SamplingParams
-from jobs import JobError
+from jobs import JobError, first_line
 
 log = logging.getLogger("minipaged")
 CHUNK_BYTES = 1 << 20
@@ -52,10 +52,6 @@ DEFAULT_ID_COLUMN = "id"
 ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row columns: every sampling field
 OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
-
-
-def first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def _is_text(kind: pa.DataType) -> bool:

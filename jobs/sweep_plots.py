@@ -7,7 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.sweep_runs import first_line, shown_keys
+from jobs import first_line
+from jobs.sweep_runs import shown_keys
 
 log = logging.getLogger("minipaged")
 

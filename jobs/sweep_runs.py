@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from omegaconf import OmegaConf
 
-from jobs import JobError
+from jobs import JobError, first_line
 from jobs.parquet import SCHEMA_VERSIONS, flatten, schema_config, schema_version
 
 log = logging.getLogger("minipaged")
@@ -25,10 +25,6 @@ REQUIRED = ("block_size", "num_blocks", "output_tok_per_s", "mean_paged_kv_utili
 RENAMED = {"1": {"mean_contiguous_kv_utilization_pct": "contiguous_kv_utilization_pct"}}  # old name -> today's
 NOT_RUNS = ("analyze",)  # Hydra run directories of these jobs hold no run to compare
 SWEPT_META = b"minipaged.swept_keys"
-
-
-def first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def find_runs(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:

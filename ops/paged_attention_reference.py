@@ -1,4 +1,5 @@
-"""Readable PyTorch versions of the three paged-KV ops (the contracts of DESIGN.md).
+"""Readable PyTorch versions of the paged-KV ops (the contracts of DESIGN.md; Triton versions:
+ops/paged_attention.py, and ops/cascade.py for cascade_attention_decode).
 
 Shapes (int32 metadata; a slot of -1 is skipped):
     key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]

@@ -3,7 +3,6 @@
     gumbel_sample(logits[B,V], temperature[B] f32, seed[B] i64, step[B] i64, num_splits=None) -> i64 [B]
     top_k_top_p_sample(logits[B,V], temperature[B] f32, top_k[B] i64, top_p[B] f32, seed[B], step[B],
                        min_p[B] f32 | None) -> i64 [B]
-    uniform_noise(seed[B], step[B], token_ids[B,V]) -> f32 [B,V]   (the noise, for tests)
 
 Logits of any float dtype are widened to float32 as they are read. The noise is computed in the
 kernels (uint32 arithmetic, bit-identical to sampling_reference.uniform_noise for seed and step in
@@ -79,20 +78,9 @@ def _row_key(seed_ptr, step_ptr, b):
 
 @triton.jit
 def _uniform(key, v):
-    """uniform_noise for token ids v (int32 >= 0) of a row whose key is _row_key."""
+    """sampling_reference.uniform_noise for token ids v (int32 >= 0) of a row whose key is _row_key."""
     bits = _mix32(key ^ v.to(tl.uint32)) >> 8  # 24 bits: exact in float32
     return (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-
-
-@triton.jit
-def _uniform_kernel(seed_ptr, step_ptr, ids_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
-    """Test helper: out[b, v] = uniform_noise(seed[b], step[b], ids[b, v]) (contiguous [B, V])."""
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = offs < V
-    v = tl.load(ids_ptr + b * V + offs, mask=mask, other=0)
-    u = _uniform(_row_key(seed_ptr, step_ptr, b), v.to(tl.int32))
-    tl.store(out_ptr + b * V + offs, u, mask=mask)
 
 
 @triton.jit
@@ -457,7 +445,9 @@ TOP_K_TOP_P_CFG = {
 }
 
 
-def _gumbel_sample_impl(logits, temperature, seed, step, num_splits=None):
+def gumbel_sample(logits, temperature, seed, step, num_splits: Optional[int] = None):
+    """num_splits: force the number of vocabulary ranges per row (tests, benchmarks); None picks
+    it from shapes."""
     B, V = logits.shape
     temperature, seed, step = temperature.contiguous(), seed.contiguous(), step.contiguous()
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -490,8 +480,9 @@ def _cuda_math(logits):
     return logits.is_cuda and libdevice is not None
 
 
-def _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, min_p=None, cfg=None):
-    """cfg: TOP_K_TOP_P_CFG's layout (tests, benchmarks); None picks it for the device."""
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None, cfg=None):
+    """min_p: float32 [B] (None: off); cfg: TOP_K_TOP_P_CFG's layout (tests, benchmarks), None picks
+    it for the device."""
     B, V = logits.shape
     dev = logits.device
     temperature, top_k, top_p = temperature.contiguous(), top_k.contiguous(), top_p.contiguous()
@@ -528,59 +519,3 @@ def _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, min_p=None,
         CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
     return out
 
-
-def uniform_noise(seed, step, token_ids):
-    """The sampler's uniform noise [B, V] computed by the kernels' hash (for tests)."""
-    B, V = token_ids.shape
-    ids = token_ids.to(torch.int32).contiguous()
-    out = torch.empty((B, V), dtype=torch.float32, device=token_ids.device)
-    if B and V:
-        block = min(1024, triton.next_power_of_2(V))
-        _uniform_kernel[(B, triton.cdiv(V, block))](seed, step, ids, out, V, BLOCK_V=block)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# registration as torch.library custom ops (opaque to torch.compile), public functions
-# --------------------------------------------------------------------------------------------
-@torch.library.custom_op("minipaged::gumbel_sample", mutates_args=())
-def _gumbel_sample_op(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-                      step: torch.Tensor, num_splits: Optional[int] = None) -> torch.Tensor:
-    return _gumbel_sample_impl(logits, temperature, seed, step, num_splits)
-
-
-@_gumbel_sample_op.register_fake
-def _(logits, temperature, seed, step, num_splits=None):
-    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
-
-
-@torch.library.custom_op("minipaged::top_k_top_p_sample", mutates_args=())
-def _top_k_top_p_op(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                     top_p: torch.Tensor, seed: torch.Tensor, step: torch.Tensor,
-                     min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, min_p)
-
-
-@_top_k_top_p_op.register_fake
-def _(logits, temperature, top_k, top_p, seed, step, min_p=None):
-    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
-
-
-# Outside torch.compile tracing the public functions call their implementations directly (the
-# custom-op dispatcher costs ~15 us of CPU per call).
-_compiling = torch.compiler.is_compiling
-
-
-def gumbel_sample(logits, temperature, seed, step, num_splits: Optional[int] = None):
-    """num_splits: force the number of vocabulary ranges per row (tests, benchmarks); None picks
-    it from shapes."""
-    if _compiling():
-        return torch.ops.minipaged.gumbel_sample(logits, temperature, seed, step, num_splits)
-    return _gumbel_sample_impl(logits, temperature, seed, step, num_splits)
-
-
-def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None, cfg=None):
-    """min_p: float32 [B] (None: off); cfg: override TOP_K_TOP_P_CFG (tests, benchmarks)."""
-    if _compiling():
-        return torch.ops.minipaged.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p)
-    return _top_k_top_p_impl(logits, temperature, top_k, top_p, seed, step, min_p, cfg)

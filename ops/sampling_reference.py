@@ -1,4 +1,5 @@
-"""Readable PyTorch versions of the sampling kernels (Triton versions: ops/sampling.py).
+"""Readable PyTorch versions of the sampling kernels (Triton versions: ops/sampling.py, and
+ops/logprob_kernels.py for logprobs).
 
 Sampling is Gumbel-max with counter-based noise: the scores of a row are, in float32,
 

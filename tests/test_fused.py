@@ -1,7 +1,7 @@
 """Tests of the fused elementwise ops (ops/fused.py, ops/fused_reference.py), both backends.
 
 Each op is checked against an independent float64 oracle (tolerances on ||out - ref|| / ||ref||:
-float32 1e-5, float16 3e-3, bfloat16 2e-2) and against the unfused torch code it replaces (the
+float32 1e-5, float16 3e-3, bfloat16 2e-2) and against Hugging Face's unfused torch code (the
 torch backend must reproduce it bit for bit). On CPU the Triton kernels run under the interpreter
 (TRITON_INTERPRET=1, set by conftest.py and, as a fallback, below) in float32 and float16 (the
 interpreter rounds to bfloat16 wrongly); on CUDA bfloat16 runs too.
@@ -87,7 +87,7 @@ def check_unfused(out, unfused, backend, dtype, gen, what):
         check(out, unfused, dtype, gen, f"{what} vs unfused")
 
 
-# --- float64 oracles and the unfused code the ops replace (as engine/models/qwen3.py had it) ---
+# --- float64 oracles and Hugging Face's unfused code (RMSNorm's steps, apply_rotary_pos_emb) ---
 def oracle_rms_norm(x, w, eps):
     x, w = x.double(), w.double()
     return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)

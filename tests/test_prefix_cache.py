@@ -72,7 +72,7 @@ def test_hand_worked_trace():
     assert manager.state("B").block_table == [0, 1, 3]
     assert manager.ref_counts[:4] == [2, 2, 1, 1] and manager.num_free_blocks == 3  # 4 5 6
     # Physically: A's 10 tokens + B's own 3 = 13 in 4 blocks; without sharing: 10 + 11 = 21.
-    assert (manager.stored_tokens(), manager.logical_tokens(), manager.num_used_blocks) == (13, 21, 4)
+    assert (manager.internal_fragmentation_tokens(), manager.logical_tokens(), manager.num_used_blocks) == (3, 21, 4)
 
     # A finishes: block 2 (unhashed) is free again; 0 and 1 stay referenced by B.
     manager.release_sequence("A")
@@ -360,7 +360,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             for i, block in enumerate(state.block_table):
                 filled[block] = max(filled.get(block, 0), min(size, state.sequence_length - i * size))
         assert manager.num_used_blocks == len(filled)
-        assert manager.stored_tokens() == sum(filled.values())
+        assert manager.num_used_blocks * size - manager.internal_fragmentation_tokens() == sum(filled.values())
         assert manager.logical_tokens() == sum(s.sequence_length for s in manager.sequences.values())
         hashed_idle = sum(1 for b, h in enumerate(manager.block_hash) if h is not None and b not in filled)
         assert manager.num_cached_blocks == hashed_idle

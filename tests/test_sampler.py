@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from test_fused import DEVICE, ON_GPU, _PoisonedTorch, gen  # noqa: E402,F401  (gen: a fixture)
 
 import ops  # noqa: E402
@@ -26,6 +28,7 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.sampler import SamplingTensors, TokenHistory, sample  # noqa: E402
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence  # noqa: E402
 from ops import sampling_reference as reference  # noqa: E402
+from ops.sampling import _row_key, _uniform  # noqa: E402
 
 BACKENDS = ["triton", "torch"]
 INF = float("inf")
@@ -352,9 +355,27 @@ def sampling_inputs(gen, B, V, pad=0):
     return logits_view(gen, B, V, pad=pad), temperature, seed, step
 
 
-def test_uniform_noise_is_bit_exact(gen):
-    from ops import sampling
+@triton.jit
+def _noise_kernel(seed_ptr, step_ptr, ids_ptr, out_ptr, V, BLOCK_V: tl.constexpr):
+    """out[b, v] = the sampling kernels' noise (_uniform with _row_key) for token ids[b, v]; [B, V] contiguous."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < V
+    v = tl.load(ids_ptr + b * V + offs, mask=mask, other=0)
+    tl.store(out_ptr + b * V + offs, _uniform(_row_key(seed_ptr, step_ptr, b), v.to(tl.int32)), mask=mask)
 
+
+def kernel_noise(seed, step, token_ids):
+    """The noise [B, V] that the sampling kernels draw for token_ids [B, V] (NaN where unwritten)."""
+    B, V = token_ids.shape
+    out = torch.full((B, V), float("nan"), device=token_ids.device)
+    block = min(1024, triton.next_power_of_2(V))
+    _noise_kernel[(B, triton.cdiv(V, block))](seed, step, token_ids.to(torch.int32).contiguous(), out, V,
+                                              BLOCK_V=block)
+    return out
+
+
+def test_uniform_noise_is_bit_exact(gen):
     B, V = 9, 1500
     seed = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
     step = torch.randint(0, 2**32, (B,), generator=gen, dtype=torch.int64).to(DEVICE)
@@ -362,7 +383,7 @@ def test_uniform_noise_is_bit_exact(gen):
     ids[0, :3] = torch.tensor([0, 1, 2**31 - 1])
     ids = ids.to(DEVICE)
     expected = reference.uniform_noise(seed, step, ids)
-    assert torch.equal(sampling.uniform_noise(seed, step, ids), expected), f"seed={gen.initial_seed()}"
+    assert torch.equal(kernel_noise(seed, step, ids), expected), f"seed={gen.initial_seed()}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
