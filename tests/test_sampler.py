@@ -227,6 +227,9 @@ def test_reference_kept_set_with_min_p_matches_float64(gen, bf16_values, scale):
 
 
 # --- the Triton kernels against the reference ----------------------------------------------
+# Rows too near a top-p or min-p boundary to compare may be at most B // NEAR_SHARE: at the real
+# vocabulary (GPU) 10 of 64 rows were near in some seeds, every other row is still compared.
+NEAR_SHARE = 4
 KERNEL_CASES = [("default", False, 3.0), ("default", True, 0.5), ("tight", True, 1.0)]
 
 
@@ -238,7 +241,7 @@ def test_top_k_top_p_kernel_matches_reference(gen, cfg, bf16_values, scale):
     logits = logits_view(gen, B, V, scale=real_vocab_scale(V, scale), pad=5, bf16_values=bf16_values)
     args = (logits, *row_settings(gen, B, V))
     near = near_boundary(logits, args[1], args[3])
-    assert near.sum() <= B // 8, f"seed={gen.initial_seed()}"
+    assert near.sum() <= B // NEAR_SHARE, f"seed={gen.initial_seed()}"
     drawn = sampling.top_k_top_p_sample(*args, cfg=TIGHT if cfg == "tight" else None).cpu()
     expected = ops.top_k_top_p_sample(*args, backend="torch").cpu()
     assert drawn.dtype == torch.int64
@@ -263,7 +266,7 @@ def test_min_p_kernel_matches_reference(gen, cfg, scale):
     rows = torch.arange(B, device=DEVICE)
     min_p = torch.where((rows % 3 == 1) & (crafted < 1), crafted, min_p_settings(gen, B))
     near = near_boundary(logits, temperature, top_p) | near_min_p(logits, temperature, min_p)
-    assert near.sum() <= B // 8, f"seed={gen.initial_seed()}"
+    assert near.sum() <= B // NEAR_SHARE, f"seed={gen.initial_seed()}"
     drawn = sampling.top_k_top_p_sample(*args, min_p=min_p, cfg=TIGHT if cfg == "tight" else None).cpu()
     expected = ops.top_k_top_p_sample(*args, backend="torch", min_p=min_p).cpu()
     assert torch.equal(drawn[~near], expected[~near]), f"seed={gen.initial_seed()}"
