@@ -29,12 +29,15 @@ Invariants (checked by invariants_ok):
   * a block held by two tables is full in each: prefix hits and forks share only full blocks, so
     every partial block is one sequence's own last block.
   * once every sequence is released, no block is referenced: each is free or cached.
+  * table_rows[state.row] holds each live sequence's block table, then -1; every other row is all -1
+    (the data plane's block_tables are one gather of these rows: get_block_table_tensor).
 Every public method either completes or raises before changing anything, so the pool is never
 left half-updated.
 """
 import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -95,6 +98,10 @@ class SequenceState:
     sequence_length: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    row: int = -1  # its row of KVBlockManager.table_rows
+
+
+_LENGTH, _ROW, _TABLE = attrgetter("sequence_length"), attrgetter("row"), attrgetter("block_table")
 
 
 class KVBlockManager:
@@ -110,6 +117,9 @@ class KVBlockManager:
         self.block_hash: list[bytes | None] = [None] * num_physical_blocks
         self.cached_block_of: dict[bytes, int] = {}
         self.sequences: dict[int, SequenceState] = {}
+        # every live block table as a numpy row, -1 padded (grown by doubling): block_tables are one gather
+        self.table_rows = np.full((0, 0), -1, dtype=np.int32)
+        self._free_rows: list[int] = []
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -183,10 +193,8 @@ class KVBlockManager:
         for block in prefix_blocks:
             self.ref_counts[block] += 1
             self.cached_blocks.pop(block, None)
-        state = self.sequences[sequence_id] = SequenceState(
-            sequence_id, len(prefix_blocks) * self.block_size, prefix_blocks, len(prefix_blocks)
-        )
-        return state
+        return self._add_state(SequenceState(sequence_id, len(prefix_blocks) * self.block_size, prefix_blocks,
+                                             len(prefix_blocks)))
 
     def fork(self, parent_id: int, child_ids: list[int]) -> list[tuple[int, int]]:
         """New live sequences, one per child id, holding what the parent holds: each shares the parent's
@@ -211,8 +219,28 @@ class KVBlockManager:
             if partial:
                 table.append(self.allocate_block())
                 copies.append((partial[0], table[-1]))
-            self.sequences[child_id] = SequenceState(child_id, parent.sequence_length, table, parent.num_hashed_blocks)
+            self._add_state(SequenceState(child_id, parent.sequence_length, table, parent.num_hashed_blocks))
         return copies
+
+    def _add_state(self, state: SequenceState) -> SequenceState:
+        """Make state live, its block table copied into a free row of table_rows."""
+        if not self._free_rows:
+            old = self.table_rows.shape[0]
+            self._resize_rows(max(2 * old, 8), self.table_rows.shape[1])
+            self._free_rows.extend(range(self.table_rows.shape[0] - 1, old - 1, -1))  # pop() takes the lowest first
+        state.row = self._free_rows.pop()
+        self._resize_rows(self.table_rows.shape[0], len(state.block_table))
+        self.table_rows[state.row, :len(state.block_table)] = state.block_table
+        self.sequences[state.sequence_id] = state
+        return state
+
+    def _resize_rows(self, num_rows: int, width: int) -> None:
+        """Grow table_rows to num_rows rows and at least width columns (doubling), keeping its contents."""
+        old_rows, old_width = self.table_rows.shape
+        if num_rows > old_rows or width > old_width:
+            grown = np.full((num_rows, max(width, 2 * old_width, 8)), -1, dtype=np.int32)
+            grown[:old_rows, :old_width] = self.table_rows
+            self.table_rows = grown
 
     def allocate_block(self) -> int:
         """A block at ref 1: a free one, else the least recently used cached one (its hash leaves
@@ -229,13 +257,9 @@ class KVBlockManager:
         return block
 
     def append_token(self, sequence_id: int) -> int:
-        """Store one more token for this sequence; returns its slot (the decode path: plain Python)."""
-        state = self.state(sequence_id)
-        pos = state.sequence_length
-        if pos == len(state.block_table) * self.block_size:
-            state.block_table.append(self.allocate_block())
-        state.sequence_length = pos + 1
-        return state.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+        """Store one more token for this sequence; returns its slot (OutOfBlocksError, changing nothing,
+        when it needs a block and none is left)."""
+        return int(self.slot_mapping_for_append([sequence_id])[0])
 
     def append_tokens(self, sequence_id: int, num_tokens: int) -> np.ndarray:
         """Store num_tokens more tokens for this sequence, allocating blocks as boundaries are crossed.
@@ -243,36 +267,60 @@ class KVBlockManager:
         Returns their slots (int32 [num_tokens]). Raises OutOfBlocksError, changing nothing, when
         the pool cannot hold them.
         """
-        if num_tokens < 0:
-            raise ValueError(f"sequence {sequence_id}: num_tokens must be >= 0, got {num_tokens}")
-        state = self.state(sequence_id)
-        missing = self.new_blocks_for(sequence_id, num_tokens)
-        if missing > self.num_free_blocks:
-            raise OutOfBlocksError(
-                f"sequence {sequence_id} needs {missing} more blocks, {self.num_free_blocks} free"
-            )
-        state.block_table.extend(self.allocate_block() for _ in range(missing))
-        positions = np.arange(state.sequence_length, state.sequence_length + num_tokens)
-        state.sequence_length += num_tokens
-        table = np.asarray(state.block_table, dtype=np.int64)
-        return (table[positions // self.block_size] * self.block_size + positions % self.block_size).astype(np.int32)
+        return self.slot_mapping_for_append([sequence_id], [num_tokens])
 
     def slot_mapping_for_append(self, sequence_ids: list[int], num_tokens: list[int] | None = None) -> np.ndarray:
-        """Slots of the new tokens of a batch (one each for decode, several each for prefill), concatenated.
+        """Store num_tokens more tokens for each sequence (default one each: a decode step), allocating
+        blocks, sequence after sequence, as boundaries are crossed; returns the slots of the new tokens
+        (int32 [sum(num_tokens)], sequence after sequence): slot = T[p // B] * B + p % B for each new
+        position p. Per-sequence Python only for the sequences that take a block.
 
         All or nothing: if the batch does not fit, OutOfBlocksError is raised before any change.
         """
-        counts = num_tokens if num_tokens is not None else [1] * len(sequence_ids)
-        if len(counts) != len(sequence_ids) or len(set(sequence_ids)) != len(sequence_ids):
-            raise ValueError(f"need distinct sequence_ids and one count each, got {sequence_ids}, {counts}")
-        if any(n < 0 for n in counts):
-            raise ValueError(f"num_tokens must be >= 0, got {counts}")
-        needed = sum(self.new_blocks_for(s, n) for s, n in zip(sequence_ids, counts))
+        states = self._states(sequence_ids)
+        counts = np.ones(len(states), np.int64) if num_tokens is None else np.asarray(num_tokens, np.int64)
+        if counts.shape != (len(states),) or len(set(sequence_ids)) != len(states):
+            raise ValueError(f"need distinct sequence_ids and one count each, got {sequence_ids}, {num_tokens}")
+        if (counts < 0).any():
+            bad = [sequence_ids[i] for i in np.flatnonzero(counts < 0)]
+            raise ValueError(f"sequences {bad}: num_tokens must be >= 0, got {num_tokens}")
+        starts = np.fromiter(map(_LENGTH, states), np.int64, len(states))
+        ends = starts + counts
+        missing = -(-ends // self.block_size) + starts // -self.block_size  # blocks_needed(ends) - blocks_needed(starts)
+        needed = int(missing.sum())
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(f"the batch needs {needed} more blocks, {self.num_free_blocks} free")
-        if not sequence_ids:
-            return np.zeros(0, dtype=np.int32)
-        return np.concatenate([self.append_tokens(s, n) for s, n in zip(sequence_ids, counts)])
+        for i in np.flatnonzero(missing).tolist():
+            self._append_blocks(states[i], int(missing[i]))
+        for state, end in zip(states, ends.tolist()):
+            state.sequence_length = end
+        positions, rows = starts, np.fromiter(map(_ROW, states), np.intp, len(states))
+        if num_tokens is not None:  # per new token: its position and its sequence's row
+            first = np.cumsum(counts) - counts  # each sequence's first new token in the batch
+            positions = np.arange(int(counts.sum())) - np.repeat(first - starts, counts)
+            rows = np.repeat(rows, counts)
+        return self.table_rows[rows, positions // self.block_size] * self.block_size + (
+            positions % self.block_size).astype(np.int32)
+
+    def num_appendable(self, sequence_ids: list[int]) -> int:
+        """How many leading sequences of sequence_ids could each store one more token, in order, with the
+        blocks the pool has now (each one whose length is a multiple of block_size takes a block)."""
+        states = self._states(sequence_ids)
+        at_boundary = np.fromiter(map(_LENGTH, states), np.int64, len(states)) % self.block_size == 0
+        return int(np.searchsorted(np.cumsum(at_boundary), self.num_free_blocks, side="right"))
+
+    def _append_blocks(self, state: SequenceState, num_blocks: int) -> None:
+        """Allocate num_blocks blocks onto the end of this sequence's table (its list and its row)."""
+        start = len(state.block_table)
+        state.block_table.extend(self.allocate_block() for _ in range(num_blocks))
+        self._resize_rows(self.table_rows.shape[0], len(state.block_table))
+        self.table_rows[state.row, start:len(state.block_table)] = state.block_table[start:]
+
+    def _states(self, sequence_ids) -> list[SequenceState]:
+        try:
+            return list(map(self.sequences.__getitem__, sequence_ids))
+        except KeyError as err:
+            raise UnknownSequenceError(f"sequence {err.args[0]} is not live") from None
 
     def register_full_blocks(self, sequence_id: int, hashes: list[bytes]) -> None:
         """Offer this sequence's newly full blocks to the cache; hashes[i] names its logical block i.
@@ -304,6 +352,8 @@ class KVBlockManager:
                     self.free_blocks.append(block)
                 else:
                     self.cached_blocks[block] = None
+        self.table_rows[state.row] = -1
+        self._free_rows.append(state.row)
         del self.sequences[sequence_id]
 
     def reset_prefix_cache(self) -> None:
@@ -316,20 +366,37 @@ class KVBlockManager:
 
     # -- tensors for the data plane ----------------------------------------------------------
     def get_block_table_tensor(self, sequence_ids: list[int], width: int | None = None) -> torch.Tensor:
-        """block_tables [len(sequence_ids), width] int32, padded with -1."""
-        tables = [self.state(s).block_table for s in sequence_ids]
-        width = max((len(t) for t in tables), default=0) if width is None else width
-        out = np.full((len(tables), width), -1, dtype=np.int32)
-        for row, table in zip(out, tables):
-            row[: len(table)] = table
-        return torch.from_numpy(out)
+        """block_tables [len(sequence_ids), width] int32, padded with -1 (width: the longest table's, or
+        more): one gather of table_rows."""
+        states = self._states(sequence_ids)
+        longest = max(map(len, map(_TABLE, states)), default=0)
+        width = longest if width is None else width
+        if width < longest:
+            raise ValueError(f"width {width} is less than the longest block table, {longest} blocks")
+        rows = np.fromiter(map(_ROW, states), np.intp, len(states))
+        tables = self.table_rows[rows, :width]
+        if tables.shape[1] < width:
+            tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])), constant_values=-1)
+        return torch.from_numpy(tables)
 
     def get_seq_lens_tensor(self, sequence_ids: list[int]) -> torch.Tensor:
         return torch.tensor([self.state(s).sequence_length for s in sequence_ids], dtype=torch.int32)
 
     # -- checks ------------------------------------------------------------------------------
     def invariants_ok(self) -> bool:
-        return self._tables_ok() and self._pool_partition_ok() and self._hash_index_ok()
+        return self._tables_ok() and self._rows_ok() and self._pool_partition_ok() and self._hash_index_ok()
+
+    def _rows_ok(self) -> bool:
+        """Each live sequence has its own row of table_rows, holding its table then -1; the other rows
+        are free and all -1."""
+        expected = np.full(self.table_rows.shape, -1, dtype=np.int32)
+        rows = [s.row for s in self.sequences.values()]
+        for s in self.sequences.values():
+            if not 0 <= s.row < expected.shape[0] or len(s.block_table) > expected.shape[1]:
+                return False
+            expected[s.row, :len(s.block_table)] = s.block_table
+        return (sorted(rows + self._free_rows) == list(range(expected.shape[0]))
+                and np.array_equal(expected, self.table_rows))
 
     def _tables_ok(self) -> bool:
         """Each table: the right length, no block twice, in range, hashes only in its leading full

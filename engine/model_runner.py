@@ -9,6 +9,8 @@ logits, and the prompt positions of the chunks of sequences that ask for prompt_
 a time). The samples forked from a sequence in a step draw from its logits row, each with its own seed.
 """
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import Sequence
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
+_SEQ_ID, _COMPUTED = attrgetter("seq_id"), attrgetter("num_computed_tokens")
 
 
 class ModelRunner:
@@ -48,14 +51,14 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids [T], positions [T], attention metadata, and the rows whose logits are sampled (the
         last row of each sequence that draws)."""
-        starts = np.array([s.num_computed_tokens for s in batch.seqs], dtype=np.int64)
+        starts = np.fromiter(map(_COMPUTED, batch.seqs), np.int64, len(batch.seqs))
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, counts)
         n = batch.num_decode_seqs
         input_ids = np.concatenate([np.array([s.last_token for s in batch.seqs[:n]], dtype=np.int64)] + [
             s.token_slice(a, a + c) for s, a, c in zip(batch.seqs[n:], starts[n:].tolist(), counts[n:].tolist())])
-        tables = self.block_manager.get_block_table_tensor([s.seq_id for s in batch.seqs]).numpy()
+        tables = self.block_manager.get_block_table_tensor(list(map(_SEQ_ID, batch.seqs))).numpy()
         seq_lens = (starts + counts).astype(np.int32)
         prefill = None
         if n < len(batch.seqs):
@@ -91,7 +94,7 @@ class ModelRunner:
         if previous is not None:
             self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
-        drawing, logit_rows = self._fork([s for s, draws in zip(batch.seqs, batch.draws) if draws], batch.forks)
+        drawing, logit_rows = self._fork(list(compress(batch.seqs, batch.draws)), batch.forks)
         segments = self._prompt_segments(batch, len(drawing))
         if not drawing and not segments:  # only prefill chunks that end before their prompt does
             return None
@@ -107,7 +110,7 @@ class ModelRunner:
         asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]
         k = max((a for a in asked if a is not None), default=None)
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
-        return InFlight.start(tokens, drawing, list(range(len(drawing))), logprobs)
+        return InFlight.start(tokens, drawing, logprobs)
 
     def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Copy the forked samples' partial blocks (after the forward that wrote them, before any later
@@ -155,11 +158,14 @@ class ModelRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _fill_placeholders(self, batch: ScheduledBatch, input_ids: torch.Tensor, previous: "InFlight") -> None:
-        ends = np.cumsum(batch.num_new_tokens) - 1
-        pairs = [(ends[i], previous.rows[s.seq_id]) for i, (s, draws) in enumerate(zip(batch.seqs, batch.draws))
-                 if draws and s.has_placeholder]
-        if pairs:
-            dst, src = (self._to_device(np.array(col, dtype=np.int64)) for col in zip(*pairs))
+        """The input rows whose token is a placeholder take it from the previous step's device tokens: the
+        last row of each sequence that draws and drew in the previous step (the one step not yet resolved,
+        so exactly the sequences whose last output is still a placeholder)."""
+        src = np.fromiter(map(previous.rows.get, map(_SEQ_ID, batch.seqs), repeat(-1)), np.int64, len(batch.seqs))
+        waiting = np.flatnonzero((src >= 0) & np.array(batch.draws, dtype=bool))
+        if len(waiting):
+            ends = np.cumsum(batch.num_new_tokens) - 1
+            dst, src = self._to_device(np.stack([ends[waiting], src[waiting]]))
             input_ids[dst] = previous.device_tokens[src]
 
     @staticmethod
@@ -167,32 +173,30 @@ class ModelRunner:
         """The step's sampled tokens on the host (waits for the device)."""
         if step.copied is not None:
             step.copied.synchronize()
-        return step.host_tokens[step.rows_drawn].tolist()
+        return step.host_tokens.tolist()
 
 
 @dataclass
 class InFlight:
     """A launched step: the sequences that drew a token in it, and where those tokens are."""
 
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # seqs[i] drew device_tokens[i]
     output_index: list[int]  # where each sequence's token goes in its output_token_ids
     rows: dict[int, int]  # seq_id -> row of device_tokens
-    rows_drawn: list[int]
-    device_tokens: torch.Tensor
+    device_tokens: torch.Tensor  # int64 [len(seqs)]
     host_tokens: torch.Tensor
     logprobs: StepLogprobs | None  # its host copy is enqueued before `copied` is recorded
     copied: "torch.cuda.Event | None"
 
     @classmethod
-    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], rows_drawn: list[int],
-              logprobs: StepLogprobs | None = None) -> "InFlight":
+    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], logprobs: StepLogprobs | None = None) -> "InFlight":
         host_tokens = to_host(device_tokens)
         copied = None
         if device_tokens.is_cuda:
             copied = torch.cuda.Event()
             copied.record()
-        return cls(seqs, [len(s.output_token_ids) for s in seqs], {s.seq_id: r for s, r in zip(seqs, rows_drawn)},
-                   rows_drawn, device_tokens, host_tokens, logprobs, copied)
+        return cls(seqs, [len(s.output_token_ids) for s in seqs], dict(zip(map(_SEQ_ID, seqs), range(len(seqs)))),
+                   device_tokens, host_tokens, logprobs, copied)
 
 
 @torch.inference_mode()

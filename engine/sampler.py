@@ -17,6 +17,7 @@ A batch that uses none of the processors or logprobs pays nothing for them: Samp
 leaves their tensors None and sample() goes straight to the samplers.
 """
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from engine.sequence import SamplingParams, Sequence, Status
 
 MAX_LOGPROBS = 20  # the largest logprobs / prompt_logprobs k a request may ask for (OpenAI's and vLLM's)
 _MASK32 = 0xFFFFFFFF
+_FIELDS = attrgetter("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "logprobs")  # SamplingTensors.build's
 
 
 def has_penalty(p: SamplingParams) -> bool:
@@ -76,26 +78,31 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int], vocab_size: int, device,
               eos_token_ids=(), penalised: "PenaltyRows | None" = None) -> "SamplingTensors":
-        """One host-to-device copy, which never waits for the device (every value fits float64 exactly).
-        eos_token_ids: banned with a row's stop_token_ids while it has fewer than min_tokens outputs
-        (unless it ignores EOS); penalised: TokenHistory.rows of this batch."""
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        table = [[p.temperature for p in params], top_k, [p.top_p for p in params], [p.min_p for p in params],
-                 [p.seed & _MASK32 for p in params], steps]
-        banned = [(row, t) for row, (p, step) in enumerate(zip(params, steps)) if step < p.min_tokens
+        """One host-to-device copy, which never waits for the device (every value fits float64 exactly),
+        and one conversion to each dtype. eos_token_ids: banned with a row's stop_token_ids while it has
+        fewer than min_tokens outputs (unless it ignores EOS); penalised: TokenHistory.rows of this batch.
+        The fields are read in one pass over the rows (columns of _FIELDS), the rest is numpy."""
+        temperature, top_k, top_p, min_p, seeds, min_tokens, logprobs = list(zip(*map(_FIELDS, params))) or [()] * 7
+        top_k = np.array(top_k, dtype=np.int64)
+        top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size
+        table = np.array([temperature, top_k, top_p, min_p, [seed & _MASK32 for seed in seeds], steps],
+                         dtype=np.float64).reshape(6, len(params))
+        banning = np.flatnonzero(table[5] < np.array(min_tokens, dtype=np.float64)).tolist()  # step < min_tokens
+        banned = [(row, t) for row in banning for p in (params[row],)
                   for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)]
-        host = [np.array(x, dtype=np.float64).reshape(-1)  # banned pairs as [2, N]: rows, then ids
-                for x in (table, np.array(banned).T, penalised.table(params) if penalised else [])]
-        table, banned_pairs, penalty_table = upload(np.concatenate(host), device).split([len(x) for x in host])
-        table = table.view(6, len(params))
+        host = [table.reshape(-1), np.array(banned, dtype=np.float64).T.reshape(-1),  # banned as [2, N]: rows, ids
+                np.array(penalised.table(params) if penalised else [], dtype=np.float64).reshape(-1)]
+        on_device, banned_pairs, penalty_table = upload(np.concatenate(host), device).split([len(x) for x in host])
+        floats, ints = on_device.view(6, len(params)).float(), on_device.view(6, len(params)).long()
+        asked = set(logprobs)
+        asked.discard(None)
         return cls(
-            temperature=table[0].float(), top_k=table[1].long(), top_p=table[2].float(), min_p=table[3].float(),
-            seed=table[4].long(), step=table[5].long(),
-            all_greedy=all(p.temperature == 0 for p in params),
-            any_truncation=any(k < vocab_size for k in top_k) or any(p.top_p < 1 or p.min_p > 0 for p in params),
+            temperature=floats[0], top_k=ints[1], top_p=floats[2], min_p=floats[3], seed=ints[4], step=ints[5],
+            all_greedy=not table[0].any(),
+            any_truncation=bool((table[1] < vocab_size).any() or (table[2] < 1).any() or (table[3] > 0).any()),
             banned=tuple(banned_pairs.view(2, -1).long()) if banned else None,
             penalties=penalised.on_device(penalty_table) if penalised else None,
-            num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            num_logprobs=max(asked, default=None),
         )
 
 

@@ -62,8 +62,10 @@ class ScheduledBatch:
     draws: list[bool] = field(init=False)
 
     def __post_init__(self):
-        # which sequences draw a token in this step: their chunk reaches their last token
-        self.draws = [n == s.num_uncomputed_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+        # which sequences draw a token in this step: their chunk reaches their last token (every decode row's does)
+        self.draws = [True] * self.num_decode_seqs + [
+            n == s.num_uncomputed_tokens for s, n in zip(self.seqs[self.num_decode_seqs:],
+                                                        self.num_new_tokens[self.num_decode_seqs:])]
 
     @property
     def num_tokens(self) -> int:
@@ -107,17 +109,17 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         while True:
             batch = self._schedule_step(preemptions_before)
-            stalled = [s for s in self.running if s.num_uncomputed_tokens > 1]
-            if batch.seqs or not stalled:
+            if batch.seqs or not any(s.num_uncomputed_tokens > 1 for s in self.running):
                 batch.forks = self._fork_held_samples(batch)
                 return batch
             self._preempt(self._victim())  # only stalled prefill chunks are left: free the newest
 
     def _schedule_step(self, preemptions_before: int) -> ScheduledBatch:
-        seqs, counts, slots = self._schedule_decodes()
+        decoding, prefilling = self._partition_running()
+        seqs, counts, slots = self._schedule_decodes(decoding)
         num_decodes = len(seqs)
         budget = self.max_num_batched_tokens - num_decodes
-        budget = self._schedule_chunks(budget, seqs, counts, slots)
+        budget = self._schedule_chunks(budget, prefilling, seqs, counts, slots)
         hits = admitted = 0
         if self.num_preemptions == preemptions_before:
             hits, admitted = self._admit(budget, seqs, counts, slots)
@@ -149,33 +151,49 @@ class Scheduler:
         last token is resolved)."""
         return next(s for s in reversed(self.running) if not s.is_capped)
 
-    def _schedule_decodes(self) -> tuple[list[Sequence], list[int], list[np.ndarray]]:
-        """One slot for every running sequence whose next token is its only uncomputed one; preempts the
-        newest running sequences while the pool is short (never one already scheduled: they are older)."""
-        manager, scheduled, slots = self.block_manager, [], []
-        pending = deque(s for s in self.running if s.num_uncomputed_tokens == 1 and not s.is_capped)
-        while pending:
-            seq = pending.popleft()
-            while not manager.can_append(seq.seq_id, 1):
-                victim = self._victim()
-                self._preempt(victim)
-                if victim is seq:
-                    break
-                if victim in pending:
-                    pending.remove(victim)
-            else:
-                scheduled.append(seq)
-                slots.append(manager.append_token(seq.seq_id))
-        if self.order_decodes_by_prefix and len(scheduled) > 1:  # after the loop, which must go oldest first
-            tables = manager.sequences
-            order = sorted(range(len(scheduled)), key=lambda i: tables[scheduled[i].seq_id].block_table[0])
-            scheduled, slots = [scheduled[i] for i in order], [slots[i] for i in order]
-        return scheduled, [1] * len(scheduled), [np.array(slots, dtype=np.int32)]
+    def _partition_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences that decode (their next token is their only uncomputed one, and they may
+        draw it) and those still prefilling, in running order: one pass over the properties."""
+        decoding, prefilling = [], []
+        for seq in self.running:
+            left = seq.num_uncomputed_tokens
+            if left == 1:
+                if not seq.is_capped:
+                    decoding.append(seq)
+            elif left > 1:
+                prefilling.append(seq)
+        return decoding, prefilling
 
-    def _schedule_chunks(self, budget: int, seqs: list, counts: list, slots: list) -> int:
-        """Continuing prefill chunks, in admission order, while the budget and the pool allow."""
+    def _schedule_decodes(self, pending: list[Sequence]) -> tuple[list[Sequence], list[int], list[np.ndarray]]:
+        """One slot for each decoding sequence, oldest first; where the pool is short, preempts the newest
+        running sequences until the next one fits (never one already scheduled: they are older).
+        Allocates a run of fitting sequences at a time."""
+        manager, scheduled, slots = self.block_manager, [], []
+        while pending:
+            ids = [s.seq_id for s in pending]
+            try:  # the common case: the pool has a block for each that needs one
+                slots.append(manager.slot_mapping_for_append(ids))
+                scheduled += pending
+                break
+            except OutOfBlocksError:
+                fit = manager.num_appendable(ids)
+            scheduled += pending[:fit]
+            slots.append(manager.slot_mapping_for_append(ids[:fit]))
+            victim = self._victim()  # pending[fit] needs a block and none is left
+            self._preempt(victim)
+            pending = [s for s in pending[fit:] if s is not victim]
+        slots = _concat(slots)
+        if self.order_decodes_by_prefix and len(scheduled) > 1:  # after allocating, which must go oldest first
+            tables = manager.sequences
+            order = np.argsort([tables[s.seq_id].block_table[0] for s in scheduled], kind="stable")
+            scheduled, slots = [scheduled[i] for i in order.tolist()], slots[order]
+        return scheduled, [1] * len(scheduled), [slots]
+
+    def _schedule_chunks(self, budget: int, prefilling: list, seqs: list, counts: list, slots: list) -> int:
+        """Continuing prefill chunks, in admission order, while the budget and the pool allow (a sequence
+        preempted for the decodes of this step no longer runs)."""
         manager = self.block_manager
-        for seq in (s for s in self.running if s.num_uncomputed_tokens > 1):
+        for seq in (s for s in prefilling if s.status is Status.RUNNING):
             n = min(seq.num_uncomputed_tokens, budget)
             if n == 0 or not manager.can_append(seq.seq_id, n):
                 break
