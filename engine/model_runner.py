@@ -27,7 +27,7 @@ from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import Sequence
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
-_SEQ_ID, _COMPUTED = attrgetter("seq_id"), attrgetter("num_computed_tokens")
+_SEQ_ID, _COMPUTED, _SAMPLING = attrgetter("seq_id"), attrgetter("num_computed_tokens"), attrgetter("sampling")
 
 
 class ModelRunner:
@@ -102,15 +102,16 @@ class ModelRunner:
         if logit_rows is not None:
             logits = logits[logit_rows]
         penalised = self.history.rows(drawing, previous)
-        params = SamplingTensors.build([s.sampling for s in drawing], [len(s.output_token_ids) for s in drawing],
-                                       self.model.arch.vocab_size, self.device, self.eos_token_ids, penalised)
+        output_index = [len(s.output_token_ids) for s in drawing]  # the index of the token each draws
+        params = SamplingTensors.build(list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size,
+                                       self.device, self.eos_token_ids, penalised)
         tokens = sample(logits, params)
         if params.penalties is not None:
             self.history.record(params.penalties, tokens)
         asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]
         k = max((a for a in asked if a is not None), default=None)
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
-        return InFlight.start(tokens, drawing, logprobs)
+        return InFlight.start(tokens, drawing, output_index, logprobs)
 
     def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Copy the forked samples' partial blocks (after the forward that wrote them, before any later
@@ -189,13 +190,14 @@ class InFlight:
     copied: "torch.cuda.Event | None"
 
     @classmethod
-    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], logprobs: StepLogprobs | None = None) -> "InFlight":
+    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], output_index: list[int],
+              logprobs: StepLogprobs | None = None) -> "InFlight":
         host_tokens = to_host(device_tokens)
         copied = None
         if device_tokens.is_cuda:
             copied = torch.cuda.Event()
             copied.record()
-        return cls(seqs, [len(s.output_token_ids) for s in seqs], dict(zip(map(_SEQ_ID, seqs), range(len(seqs)))),
+        return cls(seqs, output_index, dict(zip(map(_SEQ_ID, seqs), range(len(seqs)))),
                    device_tokens, host_tokens, logprobs, copied)
 
 

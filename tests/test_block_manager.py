@@ -122,3 +122,37 @@ def test_random_lifecycles_keep_the_invariants(num_blocks, block_size, caching, 
     for sid in list(manager.sequences):
         manager.release_sequence(sid)
     assert sorted(manager.free_blocks) == list(range(num_blocks)) and manager.invariants_ok()
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.integers(1, 5), lengths=st.lists(st.integers(0, 12), min_size=1, max_size=8),
+       spare=st.integers(0, 3), order=st.randoms(use_true_random=False))
+def test_a_decode_batch_fits_and_is_placed_as_one_token_at_a_time(block_size, lengths, spare, order):
+    """num_appendable: the longest leading run of sequences whose next token fits when each takes a free
+    block at a block boundary, in order; slot_mapping_for_append of that run gives each token the slot of
+    the formula, new blocks taken from the head of the free list in the run's order; the block tables
+    read back as the lists, padded with -1."""
+    num_blocks = max(sum(-(-n // block_size) for n in lengths) + spare, 1)
+    manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    for sid, n in enumerate(lengths):
+        manager.create_sequence(sid)
+        manager.append_tokens(sid, n)
+    ids = list(range(len(lengths)))
+    order.shuffle(ids)
+    free, fit, taken = list(manager.free_blocks), 0, 0
+    for sid in ids:  # by hand: one token each, in order, while the pool has the blocks
+        at_boundary = lengths[sid] % block_size == 0
+        if at_boundary and taken == len(free):
+            break
+        taken, fit = taken + at_boundary, fit + 1
+    assert manager.num_appendable(ids) == fit
+    slots = manager.slot_mapping_for_append(ids[:fit]).tolist()
+    new_blocks = [manager.state(s).block_table[-1] for s in ids[:fit] if lengths[s] % block_size == 0]
+    assert new_blocks == free[:taken]
+    assert slots == [slot_by_formula(manager.state(s).block_table, lengths[s], block_size) for s in ids[:fit]]
+    assert [manager.state(s).sequence_length for s in ids] == [lengths[s] + (i < fit) for i, s in enumerate(ids)]
+    tables = [manager.state(s).block_table for s in ids]
+    width = max(map(len, tables))
+    assert manager.get_block_table_tensor(ids).tolist() == [t + [-1] * (width - len(t)) for t in tables]
+    assert manager.get_block_table_tensor(ids, width + 2).tolist() == [t + [-1] * (width + 2 - len(t)) for t in tables]
+    assert manager.invariants_ok()
