@@ -90,10 +90,16 @@ class SamplingTensors:
         banning = np.flatnonzero(table[5] < np.array(min_tokens, dtype=np.float64)).tolist()  # step < min_tokens
         banned = [(row, t) for row in banning for p in (params[row],)
                   for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)]
-        host = [table.reshape(-1), np.array(banned, dtype=np.float64).T.reshape(-1),  # banned as [2, N]: rows, ids
+        # rows padded to a multiple of 4 values: each field's row then starts 16-byte aligned, as Triton
+        # specialises its kernels on (a misaligned row would compile another variant mid-run)
+        width = -(-len(params) // 4) * 4
+        padded = np.zeros((6, width))
+        padded[:, :len(params)] = table
+        host = [padded.reshape(-1), np.array(banned, dtype=np.float64).T.reshape(-1),  # banned as [2, N]: rows, ids
                 np.array(penalised.table(params) if penalised else [], dtype=np.float64).reshape(-1)]
         on_device, banned_pairs, penalty_table = upload(np.concatenate(host), device).split([len(x) for x in host])
-        floats, ints = on_device.view(6, len(params)).float(), on_device.view(6, len(params)).long()
+        on_device = on_device.view(6, width)
+        floats, ints = on_device.float()[:, :len(params)], on_device.long()[:, :len(params)]
         asked = set(logprobs)
         asked.discard(None)
         return cls(
