@@ -104,6 +104,13 @@ class SequenceState:
 _LENGTH, _ROW, _TABLE = attrgetter("sequence_length"), attrgetter("row"), attrgetter("block_table")
 
 
+def new_token_positions(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Positions of a batch's new tokens, sequence after sequence: starts[i] .. starts[i] + counts[i] - 1
+    for sequence i (int64 [sum(counts)])."""
+    first = np.cumsum(counts) - counts  # each sequence's first new token in the batch
+    return np.arange(int(counts.sum())) - np.repeat(first - starts, counts)
+
+
 class KVBlockManager:
     def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_physical_blocks < 1 or block_size < 1:
@@ -224,12 +231,10 @@ class KVBlockManager:
 
     def _add_state(self, state: SequenceState) -> SequenceState:
         """Make state live, its block table copied into a free row of table_rows."""
-        if not self._free_rows:
-            old = self.table_rows.shape[0]
-            self._resize_rows(max(2 * old, 8), self.table_rows.shape[1])
-            self._free_rows.extend(range(self.table_rows.shape[0] - 1, old - 1, -1))  # pop() takes the lowest first
+        old = self.table_rows.shape[0]
+        self._resize_rows(old if self._free_rows else max(2 * old, 8), len(state.block_table))
+        self._free_rows.extend(range(self.table_rows.shape[0] - 1, old - 1, -1))  # pop() takes the lowest first
         state.row = self._free_rows.pop()
-        self._resize_rows(self.table_rows.shape[0], len(state.block_table))
         self.table_rows[state.row, :len(state.block_table)] = state.block_table
         self.sequences[state.sequence_id] = state
         return state
@@ -296,9 +301,7 @@ class KVBlockManager:
             state.sequence_length = end
         positions, rows = starts, np.fromiter(map(_ROW, states), np.intp, len(states))
         if num_tokens is not None:  # per new token: its position and its sequence's row
-            first = np.cumsum(counts) - counts  # each sequence's first new token in the batch
-            positions = np.arange(int(counts.sum())) - np.repeat(first - starts, counts)
-            rows = np.repeat(rows, counts)
+            positions, rows = new_token_positions(starts, counts), np.repeat(rows, counts)
         return self.table_rows[rows, positions // self.block_size] * self.block_size + (
             positions % self.block_size).astype(np.int32)
 

@@ -17,7 +17,7 @@ import torch
 
 import ops
 from engine.attention import AttentionMetadata, CascadeMetadata, PrefillMetadata
-from engine.block_manager import KVBlockManager
+from engine.block_manager import KVBlockManager, new_token_positions
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
@@ -54,7 +54,7 @@ class ModelRunner:
         starts = np.fromiter(map(_COMPUTED, batch.seqs), np.int64, len(batch.seqs))
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        positions = np.arange(cu_seqlens[-1]) - np.repeat(cu_seqlens[:-1] - starts, counts)
+        positions = new_token_positions(starts, counts)
         n = batch.num_decode_seqs
         input_ids = np.concatenate([np.array([s.last_token for s in batch.seqs[:n]], dtype=np.int64)] + [
             s.token_slice(a, a + c) for s, a, c in zip(batch.seqs[n:], starts[n:].tolist(), counts[n:].tolist())])

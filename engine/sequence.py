@@ -171,13 +171,13 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def num_uncomputed_tokens(self) -> int:  # num_tokens written out: the scheduler asks every step for every row
-        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_capped(self) -> bool:
         """No more tokens to draw (max_tokens or max_model_len reached, counting one in flight)."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) >= self.max_num_tokens
+        return self.num_tokens >= self.max_num_tokens
 
     @property
     def has_placeholder(self) -> bool:
