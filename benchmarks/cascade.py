@@ -8,7 +8,8 @@ read (plain: every row's whole context; cascade: each group's prefix once plus t
 float32 partials the cascade writes and reads back, the time, and that K/V read's share of the
 4.26 TB/s device copy; the two outputs must agree (relative error < 1e-2, else exit 1).
 A last line times the cascade op on a batch without groups (what a step without sharing would pay
-if it did not take the plain path). --sweep also times forced prefix chunk counts.
+if it did not take the plain path). --sweep also times, at batch 512 (shared_prefix's full steps), prefix
+tile configs x forced prefix chunk counts, then decode kernel configs for the suffix pass.
 
 --break-even (python3 benchmarks/cascade.py --break-even) times, instead, what the engine's decode graphs
 run: plain decode against the cascade op with its groups padded to the engine's static size (empty
@@ -38,6 +39,8 @@ from engine.prefix_groups import CascadePolicy  # noqa: E402
 from ops import cascade, paged_attention  # noqa: E402
 
 HQ, HKV, D, BS, PREFIX = 16, 8, 128, 16, 2048
+SWEEP_SUFFIX = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3), (64, 4, 2), (16, 2, 4), (128, 4, 2)]
+SWEEP_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
 DT = torch.bfloat16
 ESZ = 2
 MAX_MODEL_LEN = 4096  # conf/model/qwen3-0.6b.yaml: the engine's graphs see block tables this wide
@@ -195,9 +198,23 @@ def main():
                 suffixes = torch.randint(int(lo), int(hi or lo) + 1, (batch,), generator=generator)
                 worst = max(worst, run_case(batch, num_groups, label, suffixes, generator))
     if args.sweep:
-        print("\nforced prefix chunk counts, batch 256, 1 group, suffix 16:")
-        for chunks in (1, 2, 4, 8, 16, 32):
-            run_case(256, 1, "16", torch.full((256,), 16), generator, num_chunks=chunks)
+        print("\nbatch 512, 1 group, suffix 16-512: prefix tile (BLOCK_M, BLOCK_N, warps, stages) x chunks:")
+        suffixes = torch.randint(16, 513, (512,), generator=generator)
+        default = dict(paged_attention.PREFILL_CFG["gpu"])
+        for block_m, block_n, warps, stages in SWEEP_TILES:
+            paged_attention.PREFILL_CFG["gpu"] = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                                                      num_stages=stages)
+            print(f"tile {block_m} x {block_n}, {warps} warps, {stages} stages")
+            for chunks in (1, 2, 3, 5, 8):
+                run_case(512, 1, "16-512", suffixes, generator, num_chunks=chunks)
+        paged_attention.PREFILL_CFG["gpu"] = default
+        print("\nthe same batch, default prefix tile: suffix pass (decode kernel) BLOCK_N x warps x stages:")
+        default = dict(paged_attention.DECODE_CFG["gpu"])
+        for block_n, warps, stages in SWEEP_SUFFIX:
+            paged_attention.DECODE_CFG["gpu"] = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            print(f"decode tile {block_n}, {warps} warps, {stages} stages")
+            run_case(512, 1, "16-512", suffixes, generator)
+        paged_attention.DECODE_CFG["gpu"] = default
     # no groups: the cascade op on a batch with nothing shared (the engine should call plain decode)
     x = make_batch([256], PREFIX, torch.full((256,), 16), generator)
     plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], 1 / math.sqrt(D))

@@ -4,12 +4,18 @@ Builds the engine on the Qwen3-0.6B shape, prefills N prompts, then times decode
 (no profiler), summed kernel time (torch.profiler, CUDA activity only), their difference per step as
 the host overhead, the kernel time per step by kernel, the host time of each phase of a step, and
 cProfile's top host functions.
-Usage: [MODEL=llama-3.2-1b] python3 benchmarks/profile_decode.py [--host] SEQS:CONTEXT [SEQS:CONTEXT ...]
-CONTEXT is a prompt length or a range LO-HI (lengths uniform in it, as in the nano workload);
---host adds the host phases and cProfile. Default: 256:1024.
+Usage: [MODEL=llama-3.2-1b] [OVERRIDES="cache.cascade_attention=off ..."] python3 benchmarks/profile_decode.py
+       [--host] SEQS:CONTEXT[+PREFIX] [...]
+CONTEXT is a prompt length or a range LO-HI (lengths uniform in it, as in the nano workload); +PREFIX puts
+one shared prefix of PREFIX tokens before every prompt (as the shared_prefix workload: the prefix cache
+shares its blocks, cascade attention reads them once per group); --host adds the host phases and
+cProfile. --mixed K: then, three times, K more prompts of the same kind arrive and the steps that prefill
+them beside the running decodes (mixed steps, run eagerly) are timed: wall time, kernel time by kernel,
+and cProfile's top host functions. Default: 256:1024.
 """
 import cProfile
 import gc
+import itertools
 import os
 import pstats
 import sys
@@ -39,35 +45,83 @@ def bench_engine(*overrides: str) -> LLMEngine:
     return LLMEngine(cfg)
 
 
-def main(num_seqs: int, context: str, host: bool, steps: int = 50, temperature: float = 0.6) -> None:
+def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, temperature: float = 0.6) -> None:
+    context, _, prefix_len = context.partition("+")
     lo, _, hi = context.partition("-")
     lo, hi = int(lo), int(hi or lo)
-    engine = bench_engine(f"scheduler.max_num_seqs={num_seqs}")
+    overrides = os.environ.get("OVERRIDES", "").split()
+    engine = bench_engine(f"scheduler.max_num_seqs={num_seqs + 3 * mixed}", *overrides)
     generator = torch.Generator().manual_seed(0)
-    for i in range(num_seqs):
-        length = int(torch.randint(lo, hi + 1, (1,), generator=generator))
-        prompt = torch.randint(0, min(10000, engine.model.arch.vocab_size), (length,), generator=generator).tolist()
-        engine.add_request(str(i), prompt, SamplingParams(temperature=temperature, max_tokens=10 * steps, ignore_eos=True))
-    while any(s.num_uncomputed_tokens > 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
-        engine.step()
+    vocab = min(10000, engine.model.arch.vocab_size)
+    prefix = torch.randint(0, vocab, (int(prefix_len or 0),), generator=generator).tolist()
+    ids = itertools.count()
+
+    def add_requests(count: int) -> None:
+        for _ in range(count):
+            length = int(torch.randint(lo, hi + 1, (1,), generator=generator))
+            prompt = prefix + torch.randint(0, vocab, (length,), generator=generator).tolist()
+            engine.add_request(str(next(ids)), prompt,
+                               SamplingParams(temperature=temperature, max_tokens=10 * steps, ignore_eos=True))
+
+    add_requests(num_seqs)
+    prefill_all(engine)
     for _ in range(5):
         engine.step()
     bytes_per_token = engine.kv_cache.bytes / (engine.num_blocks * engine.block_size)
     kv_floor = engine.block_manager.logical_tokens() * bytes_per_token / COPY_BYTES_PER_S
     wall = timed_steps(engine, steps)
     busy, by_kernel = kernel_seconds(engine, steps)
-    print(f"decode batch {num_seqs}, context {context}: {wall / steps * 1e3:.2f} ms/step wall, "
+    shape = f"{context}+{prefix_len}" if prefix_len else context
+    print(f"decode batch {num_seqs}, context {shape}: {wall / steps * 1e3:.2f} ms/step wall, "
           f"{busy / steps * 1e3:.2f} ms/step GPU busy ({100 * busy / wall:.1f}%), "
           f"host overhead {(wall - busy) / steps * 1e3:.2f} ms/step, {num_seqs * steps / wall:.0f} tok/s, "
-          f"K/V read at copy speed {kv_floor * 1e3:.2f} ms/step")
-    for name, (seconds, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:12]:
+          f"K/V read at copy speed {kv_floor * 1e3:.2f} ms/step, cascade rows {engine.runner.cascade_rows}")
+    for name, (seconds, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:16]:
         print(f"  {seconds / steps * 1e3:7.3f} ms/step {calls // steps:4d} calls/step  {name[:90]}")
     if host:
         phases(engine, steps)
         profiler = cProfile.Profile()
         profiler.runcall(timed_steps, engine, steps)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+    if mixed:
+        mixed_steps(engine, mixed, add_requests)
     engine.close()
+
+
+def prefill_all(engine) -> int:
+    """Step until no request has prompt tokens left to compute; returns the steps taken."""
+    taken = 0
+    while any(s.num_uncomputed_tokens > 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
+        engine.step()
+        taken += 1
+    return taken
+
+
+def mixed_steps(engine, count: int, add_requests) -> None:
+    """Three rounds of `count` new prompts prefilled beside the running decodes: wall, kernels, host."""
+    add_requests(count)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    taken = prefill_all(engine)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    add_requests(count)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        profiled = prefill_all(engine)
+        torch.cuda.synchronize()
+    by_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_kernel[e.name] = by_kernel.get(e.name, 0.0) + e.device_time / 1e6
+    print(f"{count} new prompts beside {len(engine.scheduler.running) - 2 * count} decodes: {taken} steps, "
+          f"{wall / taken * 1e3:.2f} ms/step wall; {sum(by_kernel.values()) / profiled * 1e3:.2f} ms/step of "
+          f"kernels over {profiled} steps")
+    for name, seconds in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {seconds / profiled * 1e3:7.3f} ms/step  {name[:90]}")
+    add_requests(count)
+    profiler = cProfile.Profile()
+    profiler.runcall(prefill_all, engine)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(16)
 
 
 def timed_steps(engine, steps: int) -> float:
@@ -120,9 +174,11 @@ def timed(obj, name: str, totals: dict, key: str) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    for spec in [a for a in args if a != "--host"] or ["256:1024"]:
+    mixed = int(args[args.index("--mixed") + 1]) if "--mixed" in args else 0
+    specs = [a for a in args if ":" in a]
+    for spec in specs or ["256:1024"]:
         seqs, _, ctx = spec.partition(":")
         with torch.inference_mode():
-            main(int(seqs), ctx, "--host" in args)
+            main(int(seqs), ctx, "--host" in args, mixed)
         gc.collect()
         torch.cuda.empty_cache()

@@ -27,8 +27,10 @@ import functools
 import itertools
 import json
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -148,9 +150,15 @@ class ResultWriter:
             self.flush()
 
     def flush(self) -> None:
-        """Write the buffered rows as the next part (atomically)."""
+        """Write the buffered rows as the next part (atomically). SIGINT and SIGTERM wait until the part and
+        the bookkeeping are both done: raised in between, the interrupt would leave the part written and its
+        rows still buffered, and the save on the way out would write them a second time."""
         if not self.buffer:
             return
+        with _signals_deferred():
+            self._write_part()
+
+    def _write_part(self) -> None:
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -224,6 +232,16 @@ class ResultWriter:
                 with pq.ParquetWriter(tmp, schema_with_metadata(schema, self.cfg)) as out:
                     for table in self.results(input_batches):
                         out.write_table(table.select(schema.names).cast(schema))
+
+
+@contextmanager
+def _signals_deferred():
+    """SIGINT and SIGTERM are held (not lost) inside the block and delivered when it is left."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def openai_line(row_number: int, samples: list[dict], model: str, created: int) -> dict:

@@ -19,8 +19,9 @@ Kernels:
   tile when the block size is a multiple of BLOCK_N). Split-KV (flash-decoding): when
   B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
   ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
-  second kernel merges them. Cascade decode (ops/cascade.py) reuses both: the decode kernel over each
-  row's [ctx_start, seq_len) into the partial slots after its shared prefix's, the reduce over all.
+  second kernel merges them (one program per row and tile of heads). Cascade decode (ops/cascade.py)
+  reuses both: the decode kernel over each row's [ctx_start, seq_len) into the partial slots after its
+  shared prefix's, the reduce over all.
 - prefill: one program per (query tile, kv head). A query tile packs BLOCK_Q tokens x G heads
   into BLOCK_M rows; the query tiles of all sequences are enumerated without host knowledge
   (grid T // BLOCK_Q + B, each program finds its sequence by binary search over cu_seqlens_q).
@@ -267,30 +268,35 @@ def _store_partial(part_o_ptr, part_lse_ptr, rows, slot, acc, m_i, l_i, offs_d, 
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, ctx_start_ptr, out_ptr, num_slots, num_prefix_slots, num_q_heads,
     s_ob, s_oh, s_od,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
-    """Log-sum-exp merge of slots [0, num_slots) of each (row, q head). HAS_PREFIX: slots
-    [0, num_prefix_slots) hold a shared prefix's partials, valid only for rows with ctx_start > 0."""
+    """Log-sum-exp merge of slots [0, num_slots) of BLOCK_H q heads of a row (a [BLOCK_H, BLOCK_S,
+    BLOCK_D] tile: one program per (row, BLOCK_H heads), so a step's merge is a wave of sizeable
+    programs, not one tiny program per head). HAS_PREFIX: slots [0, num_prefix_slots) hold a shared
+    prefix's partials, valid only for rows with ctx_start > 0."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    row = (b.to(tl.int64) * num_q_heads + h) * BLOCK_S + offs_s
-    s_mask = offs_s < num_slots
+    h_mask = offs_h < num_q_heads
+    row = (b.to(tl.int64) * num_q_heads + offs_h)[:, None] * BLOCK_S + offs_s[None, :]
+    s_mask = h_mask[:, None] & (offs_s < num_slots)[None, :]
     if HAS_PREFIX:
         has_prefix = (tl.load(ctx_start_ptr + b) + 0 * offs_s) > 0  # a block: the interpreter rejects scalar | block
-        s_mask = s_mask & ((offs_s >= num_prefix_slots) | has_prefix)
+        s_mask = s_mask & ((offs_s >= num_prefix_slots) | has_prefix)[None, :]
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    o = tl.load(part_o_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-                mask=(lse > float("-inf"))[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    den = tl.sum(w, 0)
+    w = tl.exp2(lse - m[:, None])
+    d_mask = offs_d < HEAD_DIM
+    o = tl.load(part_o_ptr + row[:, :, None] * BLOCK_D + offs_d[None, None, :],
+                mask=(lse > float("-inf"))[:, :, None] & d_mask[None, None, :], other=0.0)
+    den = tl.sum(w, 1)
     den = tl.where(den > 0.0, den, 1.0)
-    res = tl.sum(w[:, None] * o, 0) / den
-    tl.store(out_ptr + b.to(tl.int64) * s_ob + h * s_oh + offs_d * s_od,
-             res.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    res = tl.sum(w[:, :, None] * o, 1) / den[:, None]
+    tl.store(out_ptr + b.to(tl.int64) * s_ob + offs_h[:, None] * s_oh + offs_d[None, :] * s_od,
+             res.to(out_ptr.dtype.element_ty), mask=h_mask[:, None] & d_mask[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -313,6 +319,7 @@ DECODE_CFG = {
 SPLIT_MIN_TOKENS = 128      # never cut a sequence into pieces shorter than this (on average)
 SPLIT_TARGET_WAVES = 2      # aim for this many programs per SM before splitting stops
 SPLIT_MAX = 64
+REDUCE_TILE_ELEMENTS = 16384  # partial-output elements one merge program holds (64 per thread at 8 warps)
 
 
 def decode_num_splits(batch, num_kv_heads, max_ctx, device):
@@ -375,11 +382,13 @@ def launch_reduce(partials, out, num_slots, ctx_start=None, num_prefix_slots=0):
     [0, num_prefix_slots) count only for rows whose ctx_start > 0."""
     part_o, part_lse = partials
     B, Hq, D = out.shape
-    _decode_reduce_kernel[(B, Hq)](
+    block_s, block_d = part_lse.shape[2], part_o.shape[3]
+    block_h = min(triton.next_power_of_2(Hq), max(1, REDUCE_TILE_ELEMENTS // (block_s * block_d)))
+    _decode_reduce_kernel[(B, triton.cdiv(Hq, block_h))](
         part_o, part_lse, ctx_start if ctx_start is not None else part_lse, out,
         num_slots, num_prefix_slots, Hq, *out.stride(),
-        HEAD_DIM=D, BLOCK_D=part_o.shape[3], BLOCK_S=part_lse.shape[2], HAS_PREFIX=ctx_start is not None,
-        num_warps=4,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h, HAS_PREFIX=ctx_start is not None,
+        num_warps=8,
     )
 
 

@@ -207,13 +207,17 @@ def test_paged_attention_decode(backend, dtype, case, gen, nan_outputs):
     check(out, ref, dtype, gen, f"decode {backend}")
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_paged_attention_decode_split_kv(num_splits, gen, nan_outputs):
-    """Forced partition counts (1: the direct path, 3: not a power of two, 8: empty partitions)."""
+@pytest.mark.parametrize("case,num_splits", [
+    ((16, 8, 2, 64, [1, 17, 400]), 1), ((16, 8, 2, 64, [1, 17, 400]), 3), ((16, 8, 2, 64, [1, 17, 400]), 8),
+    ((8, 14, 2, 64, [5, 300]), 3),          # a head tile of the merge larger than Hq (masked heads)
+    ((32, 6, 1, 128, [31, 257, 700]), 64),  # 64 slots: the merge takes 2 heads a program, 3 programs a row
+])
+def test_paged_attention_decode_split_kv(case, num_splits, gen, nan_outputs):
+    """Forced partition counts (1: the direct path, 3: not a power of two, 8 and 64: empty partitions)."""
     from ops import paged_attention
 
     dtype = torch.float32
-    args = decode_inputs((16, 8, 2, 64, [1, 17, 400]), dtype, gen)
+    args = decode_inputs(case, dtype, gen)
     ref = decode_oracle(*args)
     out = paged_attention.paged_attention_decode(*args, num_splits=num_splits)
     check(out, ref, dtype, gen, f"decode splits={num_splits}")

@@ -88,6 +88,32 @@ def test_slow_rows_are_flushed_after_flush_interval_s(make_config, tmp_path):
     assert len(writer.parts) == 1 and not writer.buffer
 
 
+def test_an_interrupt_during_a_flush_saves_each_row_once(make_config, tmp_path, monkeypatch):
+    """SIGINT arriving while a part is written (the generate job then saves what is buffered and stops)."""
+    import jobs.results
+
+    write = jobs.results.write_atomic
+
+    def write_then_interrupt(*args, **kwargs):
+        write(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # the part is on disk, the buffer not yet cleared
+
+    monkeypatch.setattr(jobs.results, "write_atomic", write_then_interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    writer = ResultWriter(tmp_path, 4, make_config(), flush_every=2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            writer.add(row(0)), writer.add(row(1))
+        monkeypatch.setattr(jobs.results, "write_atomic", write)
+        writer.add(row(2))
+        writer.flush()  # the job's save on the way out
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # the interrupted flush finished its bookkeeping: the save wrote only row 2, as the next part
+    assert [(p.name, pq.read_table(p)["row"].to_pylist()) for p in writer.parts] == [
+        ("part-000000.parquet", [0, 1]), ("part-000001.parquet", [2])]
+
+
 def test_a_new_part_never_overwrites_an_old_one(make_config, tmp_path):
     cfg = make_config()
     writer = ResultWriter(tmp_path, 3, cfg, flush_every=1)
