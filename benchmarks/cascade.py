@@ -104,7 +104,7 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
     block_q = paged_attention.query_tile(paged_attention.prefill_cfg(x["q"], x["key_cache"]), HQ // HKV, None, True)[1]
     max_ctx = x["block_tables"].shape[1] * BS
     chunks = num_chunks or cascade.prefix_num_chunks(batch, HKV, block_q, max_ctx, x["q"].device)
-    splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, x["q"].device)
+    splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, x["q"].device, balance=False)
     partial_bytes = 2 * batch * HQ * (chunks + splits) * D * 4  # written, then read by the merge
     pct = lambda nbytes, us: 100 * nbytes / (us * 1e-6) / COPY_BYTES_PER_S  # noqa: E731
     print(f"| {batch} | {num_groups} | {suffix_label} | {plain_bytes / 1e6:.0f} | {t_plain:.1f} | "

@@ -12,7 +12,8 @@ Prints, in one run:
 Timing: triton.testing.do_bench medians (L2 flushed between repetitions, warm-up first); decode is
 timed as CUDA-graph replays (as the engine runs it), the rest eagerly.
 Options: --sweep also times tile/warp/stage variants and forced split counts on a few shapes;
---quick runs a reduced grid; --mixed only times decode over contexts of mixed lengths. Full log: $OUT/bench_ops.log when OUT is set.
+--quick runs a reduced grid; --mixed [--range LO-HI] only times decode over contexts of mixed lengths,
+with the heuristic's split count and forced ones. Full log: $OUT/bench_ops.log when OUT is set.
 """
 import argparse
 import math
@@ -32,6 +33,7 @@ DT = torch.bfloat16
 ESZ = 2
 POOL_LIMIT = 40e9  # bytes of K+V pool per decode combo; above it the combo is skipped
 LOG = []
+MIXED_SPLITS = (1, 2, 4, 8)
 
 
 def log(*a):
@@ -149,11 +151,11 @@ def run_decode(copy_gbs, batches, contexts, block_sizes):
 
 
 def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
-    """Contexts of mixed lengths, uniform in [lo, hi] as in the nano workload (every sequence alone in
-    one program, or split evenly, by the same heuristic as for equal lengths)."""
+    """Contexts of mixed lengths, uniform in [lo, hi] (nano's decodes: 100-2000; long's: 512-4096), with
+    the split count of the heuristic (from shapes, as for equal lengths) and with forced ones."""
     log(f"\n## decode, contexts uniform in [{lo}, {hi}] (bf16, block {bs}; CUDA-graph replays; % = of the copy)")
-    log("| batch | time us | % copy |")
-    log("|---|---|---|")
+    log("| batch | splits (heuristic) | time us | % copy | " + " | ".join(f"{n} splits us" for n in MIXED_SPLITS) + " |")
+    log("|---" * (4 + len(MIXED_SPLITS)) + "|")
     gen = torch.Generator().manual_seed(0)
     for B in batches:
         lens = torch.randint(lo, hi + 1, (B,), generator=gen)
@@ -163,8 +165,13 @@ def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
         bt = torch.randperm(B * M, device="cuda").to(torch.int32).view(B, M)
         q = torch.randn(B, HQ, D, dtype=DT, device="cuda")
         seq_lens = lens.to(torch.int32).cuda()
-        ms = bench(lambda: paged_attention.paged_attention_decode(q, kc, vc, bt, seq_lens, 1 / math.sqrt(D)), graph=True)
-        log(f"| {B} | {ms * 1e3:.1f} | {100 * 2 * int(lens.sum()) * HKV * D * ESZ / ms / 1e6 / copy_gbs:.0f}% |")
+        args = (q, kc, vc, bt, seq_lens, 1 / math.sqrt(D))
+        ms = bench(lambda: paged_attention.paged_attention_decode(*args), graph=True)
+        forced = [bench(lambda: paged_attention.paged_attention_decode(*args, num_splits=n), graph=True)
+                  for n in MIXED_SPLITS]
+        splits = paged_attention.decode_num_splits(B, HKV, M * bs, torch.device("cuda"))
+        log(f"| {B} | {splits} | {ms * 1e3:.1f} | {100 * 2 * int(lens.sum()) * HKV * D * ESZ / ms / 1e6 / copy_gbs:.0f}% | "
+            + " | ".join(f"{t * 1e3:.1f}" for t in forced) + " |")
         del kc, vc
         torch.cuda.empty_cache()
 
@@ -273,6 +280,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--mixed", action="store_true", help="only the mixed-length decode table")
+    ap.add_argument("--range", default="100-2000", help="--mixed's context lengths, LO-HI")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "benchmarks/ops.py needs a CUDA GPU"
     t0 = time.time()
@@ -280,7 +288,8 @@ def main():
     if args.sweep:
         sweep(copy_gbs, mm_tflops)
     if args.mixed:
-        run_decode_mixed(copy_gbs, [4, 16, 48, 128, 256])
+        lo, hi = map(int, args.range.split("-"))
+        run_decode_mixed(copy_gbs, [4, 16, 32, 48, 64, 96, 128, 256], lo, hi)
     elif args.quick:
         run_decode(copy_gbs, [1, 256], [2048, 32768], [16, 128])
         run_prefill(mm_tflops, [(1, 8192)])

@@ -123,7 +123,7 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
     if num_chunks is None:
         num_chunks = prefix_num_chunks(B, Hkv, block_q, max_ctx, q.device)
     if num_splits is None:
-        num_splits = paged_attention.decode_num_splits(B, Hkv, max_ctx, q.device)
+        num_splits = paged_attention.decode_num_splits(B, Hkv, max_ctx, q.device, balance=False)
     num_chunks, num_splits = max(1, int(num_chunks)), max(1, int(num_splits))
     partials = paged_attention.decode_partials(q, num_chunks + num_splits)
     ctx_start = torch.zeros(B, dtype=torch.int32, device=q.device)

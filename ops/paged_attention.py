@@ -317,20 +317,23 @@ DECODE_CFG = {
     "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
 }
 SPLIT_MIN_TOKENS = 128      # never cut a sequence into pieces shorter than this (on average)
-SPLIT_TARGET_WAVES = 2      # aim for this many programs per SM before splitting stops
+SPLIT_TARGET_WAVES = 2      # split until the GPU has this many programs per SM (it is full) ...
+BALANCE_WAVES = 8           # ... and, up to BALANCE_MAX_SPLITS, until it has this many: over contexts of
+BALANCE_MAX_SPLITS = 8      # mixed lengths the longest leave a wave's tail (benchmarks/NOTES.md, version 17)
 SPLIT_MAX = 64
 REDUCE_TILE_ELEMENTS = 16384  # partial-output elements one merge program holds (64 per thread at 8 warps)
 
 
-def decode_num_splits(batch, num_kv_heads, max_ctx, device):
-    """Power-of-two number of KV partitions, from shapes only (no device values)."""
+def decode_num_splits(batch, num_kv_heads, max_ctx, device, balance=True):
+    """Power-of-two number of KV partitions, from shapes only (no device values); each at least
+    SPLIT_MIN_TOKENS of max_ctx on average. balance=False: only as many as fill the GPU (cascade's
+    suffix pass: its contexts are short)."""
     programs = batch * num_kv_heads
-    target = SPLIT_TARGET_WAVES * _sm_count(device)
-    if programs >= target or max_ctx <= SPLIT_MIN_TOKENS:
-        return 1
-    want = triton.cdiv(target, programs)
-    cap = triton.cdiv(max_ctx, SPLIT_MIN_TOKENS)
-    n = max(1, min(want, cap, SPLIT_MAX))
+    sms = _sm_count(device)
+    want = triton.cdiv(SPLIT_TARGET_WAVES * sms, programs)
+    if balance:
+        want = max(want, min(BALANCE_MAX_SPLITS, triton.cdiv(BALANCE_WAVES * sms, programs)))
+    n = min(want, triton.cdiv(max_ctx, SPLIT_MIN_TOKENS), SPLIT_MAX)
     return 1 << (n - 1).bit_length() if n > 1 else 1  # round up to a power of two
 
 

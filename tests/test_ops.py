@@ -230,6 +230,11 @@ def test_decode_split_heuristic_and_hint(gen):
     assert paged_attention.decode_num_splits(256, 8, 2048, dev) == 1
     assert paged_attention.decode_num_splits(1, 8, 32768, dev) > 1
     assert paged_attention.decode_num_splits(1, 8, 100, dev) == 1
+    # 48 rows x 8 kv heads = 384 programs on 132 SMs fill the GPU (>= 2 waves), but for balance over mixed
+    # lengths split until 8 waves: ceil(1056 / 384) = 3 -> 4; cascade's suffix pass (balance=False) does not
+    assert paged_attention.decode_num_splits(48, 8, 4096, dev) == 4
+    assert paged_attention.decode_num_splits(48, 8, 4096, dev, balance=False) == 1
+    assert paged_attention.decode_num_splits(16, 8, 4096, dev) == paged_attention.BALANCE_MAX_SPLITS
     dtype = torch.float32
     args = decode_inputs((8, 4, 2, 64, [700]), dtype, gen)
     ref = decode_oracle(*args)
