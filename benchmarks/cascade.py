@@ -24,6 +24,7 @@ import argparse
 import math
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +117,16 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
     return err
 
 
+@contextmanager
+def gpu_config(table: dict, **cfg):
+    """table["gpu"] (a kernel's tunables in ops/paged_attention.py) is cfg inside the block."""
+    default, table["gpu"] = table["gpu"], cfg
+    try:
+        yield
+    finally:
+        table["gpu"] = default
+
+
 def engine_layout(x):
     """x as the engine's cascade graphs see it: block tables MAX_MODEL_LEN wide (the split and chunk
     counts come from that width), the groups padded with empty ones to the static size."""
@@ -200,21 +211,17 @@ def main():
     if args.sweep:
         print("\nbatch 512, 1 group, suffix 16-512: prefix tile (BLOCK_M, BLOCK_N, warps, stages) x chunks:")
         suffixes = torch.randint(16, 513, (512,), generator=generator)
-        default = dict(paged_attention.PREFILL_CFG["gpu"])
         for block_m, block_n, warps, stages in SWEEP_TILES:
-            paged_attention.PREFILL_CFG["gpu"] = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                                                      num_stages=stages)
             print(f"tile {block_m} x {block_n}, {warps} warps, {stages} stages")
-            for chunks in (1, 2, 3, 5, 8):
-                run_case(512, 1, "16-512", suffixes, generator, num_chunks=chunks)
-        paged_attention.PREFILL_CFG["gpu"] = default
+            with gpu_config(paged_attention.PREFILL_CFG, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                            num_stages=stages):
+                for chunks in (1, 2, 3, 5, 8):
+                    run_case(512, 1, "16-512", suffixes, generator, num_chunks=chunks)
         print("\nthe same batch, default prefix tile: suffix pass (decode kernel) BLOCK_N x warps x stages:")
-        default = dict(paged_attention.DECODE_CFG["gpu"])
         for block_n, warps, stages in SWEEP_SUFFIX:
-            paged_attention.DECODE_CFG["gpu"] = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             print(f"decode tile {block_n}, {warps} warps, {stages} stages")
-            run_case(512, 1, "16-512", suffixes, generator)
-        paged_attention.DECODE_CFG["gpu"] = default
+            with gpu_config(paged_attention.DECODE_CFG, BLOCK_N=block_n, num_warps=warps, num_stages=stages):
+                run_case(512, 1, "16-512", suffixes, generator)
     # no groups: the cascade op on a batch with nothing shared (the engine should call plain decode)
     x = make_batch([256], PREFIX, torch.full((256,), 16), generator)
     plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], 1 / math.sqrt(D))

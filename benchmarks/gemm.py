@@ -3,7 +3,7 @@ in-kernel split-K, over a sweep of tile configs.
 
 Each layer shape of $MODEL's arch (default Qwen3-0.6B) at M rows is timed as the engine runs it: the
 same matmul over num_hidden_layers distinct weights (so the weights come from HBM, not L2), captured in
-one CUDA graph, replayed; time per matmul = replay time / layers. Prints per (shape, M) the cuBLAS time,
+one CUDA graph, replayed (benchmarks/ops.bench, do_bench medians); time per matmul = replay time / layers. Prints per (shape, M) the cuBLAS time,
 the best Triton config and its time, and the share of the copy speed each reaches (weights + x + y).
 Usage (GPU): [MODEL=qwen2.5-0.5b] python3 benchmarks/gemm.py [M ...]   (default 8 32 64 128 256 512)
 """
@@ -18,8 +18,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-COPY_BYTES_PER_S = 4.26e12
+from benchmarks.ops import bench  # noqa: E402
+from benchmarks.profile_decode import COPY_BYTES_PER_S  # noqa: E402
+from engine.llm import engine_config  # noqa: E402
+from engine.models.loader import model_spec, resolve_model_path  # noqa: E402
 
 
 @triton.jit
@@ -84,43 +86,20 @@ def configs(M, K):
         yield bm, bn, bk, split, warps, stages
 
 
-def graph_time(fn, xs, ws, reps=20):
-    """Seconds per matmul: fn over every (x, w) pair, captured in one graph, replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x, w in zip(xs, ws):
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, w in zip(xs, ws):
-            fn(x, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps / len(xs)
-
-
 def shapes(arch):
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
     h, i = arch.hidden_size, arch.intermediate_size
     return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * i, h), "down": (h, i)}
 
 
-def main(ms):
-    from hydra import compose, initialize_config_dir
-    from engine.config import register_configs
+def per_matmul_s(fn, xs, ws):
+    """Seconds per matmul: fn over every (x, w) pair, captured in one graph and replayed (bench)."""
+    return bench(lambda: [fn(x, w) for x, w in zip(xs, ws)], graph=True) / 1e3 / len(xs)
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-        cfg = compose("config", overrides=[f"model={os.environ.get('MODEL', 'qwen3-0.6b')}"])
-    arch = arch_of(cfg)
+
+def main(ms):
+    cfg = engine_config(os.environ.get("MODEL", "qwen3-0.6b"))
+    arch = model_spec(cfg.model, resolve_model_path(cfg.model))[1]
     layers = arch.num_hidden_layers
     total = {"cublas": 0.0, "triton": 0.0}
     for name, (N, K) in shapes(arch).items():
@@ -128,7 +107,7 @@ def main(ms):
         for M in ms:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
             ref = F.linear(xs[0], ws[0])
-            t_cublas = graph_time(F.linear, xs, ws)
+            t_cublas = per_matmul_s(F.linear, xs, ws)
             best = (float("inf"), None)
             for config in configs(M, K):
                 try:
@@ -136,7 +115,7 @@ def main(ms):
                     if not torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2):
                         print(f"  WRONG {name} M={M} {config}")
                         continue
-                    t = graph_time(lambda x, w: triton_linear(x, w, config), xs, ws, reps=10)
+                    t = per_matmul_s(lambda x, w: triton_linear(x, w, config), xs, ws)
                 except Exception as e:  # out of shared memory, registers
                     print(f"  skip {config}: {type(e).__name__}")
                     continue
@@ -149,11 +128,6 @@ def main(ms):
             total["triton"] += best[0] * layers
     print(f"per step over the {len(ms)} sizes: cublas {total['cublas'] * 1e3 / len(ms):.3f} ms, "
           f"best triton {total['triton'] * 1e3 / len(ms):.3f} ms")
-
-
-def arch_of(cfg):
-    from engine.models.loader import model_spec, resolve_model_path
-    return model_spec(cfg.model, resolve_model_path(cfg.model))[1]
 
 
 if __name__ == "__main__":

@@ -70,14 +70,13 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
     bytes_per_token = engine.kv_cache.bytes / (engine.num_blocks * engine.block_size)
     kv_floor = engine.block_manager.logical_tokens() * bytes_per_token / COPY_BYTES_PER_S
     wall = timed_steps(engine, steps)
-    busy, by_kernel = kernel_seconds(engine, steps)
+    _, busy, by_kernel = kernel_seconds(run_steps, engine, steps)
     shape = f"{context}+{prefix_len}" if prefix_len else context
     print(f"decode batch {num_seqs}, context {shape}: {wall / steps * 1e3:.2f} ms/step wall, "
           f"{busy / steps * 1e3:.2f} ms/step GPU busy ({100 * busy / wall:.1f}%), "
           f"host overhead {(wall - busy) / steps * 1e3:.2f} ms/step, {num_seqs * steps / wall:.0f} tok/s, "
           f"K/V read at copy speed {kv_floor * 1e3:.2f} ms/step, cascade rows {engine.runner.cascade_rows}")
-    for name, (seconds, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:16]:
-        print(f"  {seconds / steps * 1e3:7.3f} ms/step {calls // steps:4d} calls/step  {name[:90]}")
+    print_kernels(by_kernel, steps, 16)
     if host:
         phases(engine, steps)
         profiler = cProfile.Profile()
@@ -100,50 +99,54 @@ def prefill_all(engine) -> int:
 def mixed_steps(engine, count: int, add_requests) -> None:
     """Three rounds of `count` new prompts prefilled beside the running decodes: wall, kernels, host."""
     add_requests(count)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    taken = prefill_all(engine)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    taken, wall = synced(prefill_all, engine)
     add_requests(count)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        profiled = prefill_all(engine)
-        torch.cuda.synchronize()
-    by_kernel: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            by_kernel[e.name] = by_kernel.get(e.name, 0.0) + e.device_time / 1e6
+    profiled, busy, by_kernel = kernel_seconds(prefill_all, engine)
     print(f"{count} new prompts beside {len(engine.scheduler.running) - 2 * count} decodes: {taken} steps, "
-          f"{wall / taken * 1e3:.2f} ms/step wall; {sum(by_kernel.values()) / profiled * 1e3:.2f} ms/step of "
-          f"kernels over {profiled} steps")
-    for name, seconds in sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"  {seconds / profiled * 1e3:7.3f} ms/step  {name[:90]}")
+          f"{wall / taken * 1e3:.2f} ms/step wall; {busy / profiled * 1e3:.2f} ms/step of kernels over "
+          f"{profiled} steps")
+    print_kernels(by_kernel, profiled, 12)
     add_requests(count)
     profiler = cProfile.Profile()
     profiler.runcall(prefill_all, engine)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(16)
 
 
-def timed_steps(engine, steps: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+def run_steps(engine, steps: int) -> int:
     for _ in range(steps):
         engine.step()
+    return steps
+
+
+def synced(fn, *args):
+    """(fn(*args), its wall seconds), the device synchronised before and after."""
     torch.cuda.synchronize()
-    return time.perf_counter() - start
+    start = time.perf_counter()
+    result = fn(*args)
+    torch.cuda.synchronize()
+    return result, time.perf_counter() - start
 
 
-def kernel_seconds(engine, steps: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """Summed GPU kernel time of `steps` decode steps (CUDA activity only, to keep the profiler light),
-    and per kernel name (seconds, calls)."""
+def timed_steps(engine, steps: int) -> float:
+    return synced(run_steps, engine, steps)[1]
+
+
+def kernel_seconds(fn, *args) -> tuple[object, float, dict[str, tuple[float, int]]]:
+    """fn(*args) under the profiler (CUDA activity only, to keep it light): its result, the summed GPU
+    kernel time, and per kernel name (seconds, calls)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed_steps(engine, steps)
+        result, _ = synced(fn, *args)
     by_kernel: dict[str, tuple[float, int]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             seconds, calls = by_kernel.get(e.name, (0.0, 0))
             by_kernel[e.name] = (seconds + e.device_time / 1e6, calls + 1)
-    return sum(seconds for seconds, _ in by_kernel.values()), by_kernel
+    return result, sum(seconds for seconds, _ in by_kernel.values()), by_kernel
+
+
+def print_kernels(by_kernel: dict[str, tuple[float, int]], steps: int, top: int) -> None:
+    for name, (seconds, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {seconds / steps * 1e3:7.3f} ms/step {calls // steps:4d} calls/step  {name[:90]}")
 
 
 def phases(engine, steps: int) -> None:
