@@ -11,6 +11,10 @@ A last line times the cascade op on a batch without groups (what a step without 
 if it did not take the plain path). --sweep also times, at batch 512 (shared_prefix's full steps), prefix
 tile configs x forced prefix chunk counts, then decode kernel configs for the suffix pass.
 
+--parts times the op's three kernels alone at 256 and 512 rows sharing one prefix: the prefix pass, the
+merge, and the suffix pass (the decode kernel from each row's context start) at several decode tiles, with
+the suffix K/V's share of the copy speed.
+
 --break-even (python3 benchmarks/cascade.py --break-even) times, instead, what the engine's decode graphs
 run: plain decode against the cascade op with its groups padded to the engine's static size (empty
 groups, engine/cuda_graphs.copy_groups), on batches of 256 rows: one group of r rows sharing a prefix of
@@ -41,6 +45,8 @@ from ops import cascade, paged_attention  # noqa: E402
 
 HQ, HKV, D, BS, PREFIX = 16, 8, 128, 16, 2048
 SWEEP_SUFFIX = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3), (64, 4, 2), (16, 2, 4), (128, 4, 2)]
+PARTS_SUFFIX = [(64, 4, 3), (64, 4, 1), (64, 2, 2), (32, 4, 1), (32, 2, 1), (32, 4, 2), (32, 1, 2), (16, 1, 1),
+                (16, 2, 2), (16, 4, 3)]
 SWEEP_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
 DT = torch.bfloat16
 ESZ = 2
@@ -141,6 +147,40 @@ def engine_layout(x):
             "group_prefix_lens": static.group_prefix_lens}
 
 
+def time_parts(batch, suffixes, generator):
+    """The cascade op's three kernels timed alone (CUDA-graph replays) on one group of batch rows: the
+    prefix pass, the suffix pass (the decode kernel from each row's ctx_start) at each PARTS_SUFFIX tile,
+    the merge; the suffix pass's K/V bytes against the copy speed."""
+    x = make_batch([batch], PREFIX, suffixes, generator)
+    q, kc, vc, bt, seq_lens = x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"]
+    cfg = paged_attention.prefill_cfg(q, kc)
+    block_m, block_q = paged_attention.query_tile(cfg, HQ // HKV, None, True)
+    max_ctx = bt.shape[1] * BS
+    chunks = cascade.prefix_num_chunks(batch, HKV, block_q, max_ctx, q.device)
+    splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, q.device, balance=False)
+    partials = paged_attention.decode_partials(q, chunks + splits)
+    ctx_start, out, scale = torch.zeros(batch, dtype=torch.int32, device=q.device), torch.empty_like(q), D ** -0.5
+
+    def prefix():
+        cascade._launch_prefix(q, kc, vc, bt, scale, x["cu_group_rows"], x["group_prefix_lens"], ctx_start,
+                               partials, chunks, block_m, block_q, cfg)
+
+    def suffix():
+        paged_attention.launch_decode(q, kc, vc, bt, seq_lens, scale, splits, partials=partials,
+                                      ctx_start=ctx_start, first_slot=chunks)
+
+    prefix()
+    suffix_bytes = int((seq_lens - ctx_start).sum()) * 2 * HKV * D * ESZ
+    print(f"batch {batch}, suffixes {int(suffixes.min())}-{int(suffixes.max())}: {chunks} prefix chunks, "
+          f"{splits} suffix splits; prefix pass {bench(prefix, graph=True) * 1e3:.1f} us; merge "
+          f"{bench(lambda: paged_attention.launch_reduce(partials, out, chunks + splits, ctx_start, chunks), graph=True) * 1e3:.1f} us")
+    for block_n, warps, stages in PARTS_SUFFIX:
+        with gpu_config(paged_attention.DECODE_CFG, BLOCK_N=block_n, num_warps=warps, num_stages=stages):
+            us = bench(suffix, graph=True) * 1e3
+        print(f"  suffix pass, decode tile {block_n}, {warps} warps, {stages} stages: {us:.1f} us, "
+              f"{100 * suffix_bytes / (us * 1e-6) / COPY_BYTES_PER_S:.0f}% of copy speed", flush=True)
+
+
 def break_even(generator) -> float:
     """Times plain and cascade decode for one group of r rows sharing p tokens in a batch of
     BREAK_EVEN_BATCH rows, prints the speed-ups and the thresholds; returns the worst relative error."""
@@ -184,6 +224,8 @@ def win_corners(speedup) -> list[tuple[int, int]]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time forced prefix chunk counts")
+    ap.add_argument("--parts", action="store_true",
+                    help="only the op's three kernels alone, with suffix-pass tiles, at 256 and 512 rows")
     ap.add_argument("--break-even", action="store_true",
                     help="only the engine's break-even grid of group rows x prefix length (CASCADE_MIN_*)")
     args = ap.parse_args()
@@ -193,6 +235,10 @@ def main():
     t0 = time.time()
     generator = torch.Generator().manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}; bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BS}")
+    if args.parts:
+        for batch, lo, hi in ((512, 16, 256), (512, 16, 512), (256, 64, 512)):
+            time_parts(batch, torch.randint(lo, hi + 1, (batch,), generator=generator), generator)
+        return 0
     if args.break_even:
         worst = break_even(generator)
         print(f"worst rel err cascade vs plain: {worst:.1e}; total {time.time() - t0:.0f} s")

@@ -13,7 +13,7 @@ from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
 from engine.prefix_groups import CascadePolicy
-from engine.sampler import MAX_LOGPROBS, scores_prompt
+from engine.sampler import MAX_LOGPROBS, compile_samplers, scores_prompt
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.stats import StatsRecorder, snapshot
@@ -108,6 +108,7 @@ class LLMEngine:
             self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their kernels compile here
                              SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=MAX_LOGPROBS))
         list(self.run())
+        compile_samplers(vocab, self.dtype, self.device)  # the run above draws only without truncation
         self.block_manager.reset_prefix_cache()
         self.stats = StatsRecorder()  # the warm-up is not part of the run
 

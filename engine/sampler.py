@@ -123,6 +123,17 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step, min_p=t.min_p)
 
 
+def compile_samplers(vocab_size: int, dtype: torch.dtype, device) -> None:
+    """Draws once through each sampler (plain, and with truncation) for each logits dtype it can be
+    handed (the model's; float32 once a row has a penalty). Triton compiles a kernel at its first call,
+    which inside a run stalls it: a top-p run's first step took 3.7 s on the H200 (benchmarks/NOTES.md)."""
+    plain, truncated = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05)
+    for logits_dtype in {dtype, torch.float32}:
+        logits = torch.zeros(2, vocab_size, dtype=logits_dtype, device=device)
+        for params in (plain, truncated):
+            sample(logits, SamplingTensors.build([params] * 2, [0, 0], vocab_size, device))
+
+
 def _processed(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """The logits after min_tokens' bans and the penalties: a copy (float32 with penalties), or the
     logits themselves when no row uses either."""

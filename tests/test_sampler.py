@@ -479,3 +479,27 @@ def test_no_host_synchronisation(gen):
         ops.logprobs(logits, tokens, 5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _compiled_sampling_variants() -> int:
+    """Kernel variants Triton holds for the sampling and logprob kernels, on every device."""
+    from ops import logprob_kernels, sampling
+    kernels = [k for m in (sampling, logprob_kernels) for k in vars(m).values() if isinstance(k, triton.JITFunction)]
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the interpreter compiles nothing; only the GPU has variants to count")
+def test_no_sampling_kernel_compiles_inside_a_run(make_config, qwen3_checkpoint):
+    """The engine's warm-up compiles every sampling path a request can take: truncation, penalties
+    (float32 logits), both together, logprobs; a run's first step must not stall on a compilation."""
+    path, _ = qwen3_checkpoint
+    engine = LLMEngine(make_config(f"model.path={path}", "model.max_model_len=128", "model.device=cuda",
+                                   "cache.num_blocks=64", "scheduler.max_num_seqs=4"))
+    before = _compiled_sampling_variants()
+    assert before > 0
+    kinds = [dict(top_p=0.95, top_k=20), dict(min_p=0.1), dict(repetition_penalty=1.2),
+             dict(top_k=5, presence_penalty=0.5, logprobs=3)]
+    for i, kind in enumerate(kinds):  # one kind per run: a batch of mixed kinds takes the widest path only
+        engine.add_request(str(i), [1, 2, 3, 4], SamplingParams(temperature=0.7, max_tokens=4, **kind))
+        assert len(list(engine.run())) == 1
+    assert _compiled_sampling_variants() == before
