@@ -13,7 +13,7 @@ tile configs x forced prefix chunk counts, then decode kernel configs for the su
 
 --parts times the op's three kernels alone at 256 and 512 rows sharing one prefix: the prefix pass, the
 merge, and the suffix pass (the decode kernel from each row's context start) at several decode tiles, with
-the suffix K/V's share of the copy speed.
+the suffix K/V's share of the copy speed; then the prefix pass at several tiles x forced chunk counts.
 
 --break-even (python3 benchmarks/cascade.py --break-even) times, instead, what the engine's decode graphs
 run: plain decode against the cascade op with its groups padded to the engine's static size (empty
@@ -47,6 +47,9 @@ HQ, HKV, D, BS, PREFIX = 16, 8, 128, 16, 2048
 SWEEP_SUFFIX = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3), (64, 4, 2), (16, 2, 4), (128, 4, 2)]
 PARTS_SUFFIX = [(64, 4, 3), (64, 4, 1), (64, 2, 2), (32, 4, 1), (32, 2, 1), (32, 4, 2), (32, 1, 2), (16, 1, 1),
                 (16, 2, 2), (16, 4, 3)]
+PARTS_PREFIX = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 8, 4), (128, 32, 4, 4), (64, 64, 4, 3),
+                (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)]
+PARTS_CHUNKS = (1, 2, 3, 5, 8)
 SWEEP_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
 DT = torch.bfloat16
 ESZ = 2
@@ -179,6 +182,19 @@ def time_parts(batch, suffixes, generator):
             us = bench(suffix, graph=True) * 1e3
         print(f"  suffix pass, decode tile {block_n}, {warps} warps, {stages} stages: {us:.1f} us, "
               f"{100 * suffix_bytes / (us * 1e-6) / COPY_BYTES_PER_S:.0f}% of copy speed", flush=True)
+    flops = 4 * batch * HQ * PREFIX * D
+    for block_m, block_n, warps, stages in PARTS_PREFIX:
+        tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        tile_m, tile_q = paged_attention.query_tile(tile, HQ // HKV, None, True)
+        times = []
+        for n in PARTS_CHUNKS:
+            tile_partials = paged_attention.decode_partials(q, n + splits)
+            times.append(bench(lambda: cascade._launch_prefix(q, kc, vc, bt, scale, x["cu_group_rows"],
+                                                              x["group_prefix_lens"], ctx_start, tile_partials, n,
+                                                              tile_m, tile_q, tile), graph=True) * 1e3)
+        print(f"  prefix pass, tile {block_m} x {block_n}, {warps} warps, {stages} stages, {PARTS_CHUNKS} chunks: "
+              + " / ".join(f"{t:.1f}" for t in times) + f" us (best {flops / min(times) / 1e6:.0f} TFLOP/s)",
+              flush=True)
 
 
 def break_even(generator) -> float:

@@ -77,11 +77,12 @@ def _prefix_kernel(
 
 
 def prefix_num_chunks(batch, num_kv_heads, block_q, max_prefix, device):
-    """Chunks per group prefix, from shapes only: about SPLIT_TARGET_WAVES programs per SM when all rows
-    share one prefix, chunks of at least CHUNK_MIN_TOKENS of max_prefix (a bound). Not rounded to a
-    power of two: each chunk costs a float32 [B, Hq, D] partial written and read back."""
+    """Chunks per group prefix, from shapes only: as many as one wave of programs holds when all rows
+    share one prefix (their programs then do equal work, so a partial second wave costs a whole program's
+    time: benchmarks/NOTES.md, version 19), chunks of at least CHUNK_MIN_TOKENS of max_prefix (a bound).
+    Not rounded to a power of two: each chunk costs a float32 [B, Hq, D] partial written and read back."""
     programs = triton.cdiv(batch, block_q) * num_kv_heads
-    want = triton.cdiv(paged_attention.SPLIT_TARGET_WAVES * paged_attention._sm_count(device), programs)
+    want = paged_attention._sm_count(device) // programs
     return max(1, min(want, max_prefix // CHUNK_MIN_TOKENS, paged_attention.SPLIT_MAX))
 
 
