@@ -152,31 +152,35 @@ def engine_layout(x):
 
 def time_parts(batch, suffixes, generator):
     """The cascade op's three kernels timed alone (CUDA-graph replays) on one group of batch rows: the
-    prefix pass, the suffix pass (the decode kernel from each row's ctx_start) at each PARTS_SUFFIX tile,
-    the merge; the suffix pass's K/V bytes against the copy speed."""
+    prefix pass, the merge, the suffix pass (the decode kernel from each row's ctx_start) at each PARTS_SUFFIX
+    tile with its K/V bytes against the copy speed, then the prefix pass at each PARTS_PREFIX tile x
+    PARTS_CHUNKS chunk count."""
     x = make_batch([batch], PREFIX, suffixes, generator)
     q, kc, vc, bt, seq_lens = x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"]
     cfg = paged_attention.prefill_cfg(q, kc)
-    block_m, block_q = paged_attention.query_tile(cfg, HQ // HKV, None, True)
     max_ctx = bt.shape[1] * BS
-    chunks = cascade.prefix_num_chunks(batch, HKV, block_q, max_ctx, q.device)
+    chunks = cascade.prefix_num_chunks(batch, HKV, paged_attention.query_tile(cfg, HQ // HKV, None, True)[1], max_ctx,
+                                       q.device)
     splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, q.device, balance=False)
     partials = paged_attention.decode_partials(q, chunks + splits)
     ctx_start, out, scale = torch.zeros(batch, dtype=torch.int32, device=q.device), torch.empty_like(q), D ** -0.5
 
-    def prefix():
+    def prefix(tile, num_chunks, tile_partials):
+        tile_m, tile_q = paged_attention.query_tile(tile, HQ // HKV, None, True)
         cascade._launch_prefix(q, kc, vc, bt, scale, x["cu_group_rows"], x["group_prefix_lens"], ctx_start,
-                               partials, chunks, block_m, block_q, cfg)
+                               tile_partials, num_chunks, tile_m, tile_q, tile)
 
     def suffix():
         paged_attention.launch_decode(q, kc, vc, bt, seq_lens, scale, splits, partials=partials,
                                       ctx_start=ctx_start, first_slot=chunks)
 
-    prefix()
+    prefix(cfg, chunks, partials)  # sets ctx_start
     suffix_bytes = int((seq_lens - ctx_start).sum()) * 2 * HKV * D * ESZ
+    prefix_us = bench(lambda: prefix(cfg, chunks, partials), graph=True) * 1e3
+    merge_us = bench(lambda: paged_attention.launch_reduce(partials, out, chunks + splits, ctx_start, chunks),
+                     graph=True) * 1e3
     print(f"batch {batch}, suffixes {int(suffixes.min())}-{int(suffixes.max())}: {chunks} prefix chunks, "
-          f"{splits} suffix splits; prefix pass {bench(prefix, graph=True) * 1e3:.1f} us; merge "
-          f"{bench(lambda: paged_attention.launch_reduce(partials, out, chunks + splits, ctx_start, chunks), graph=True) * 1e3:.1f} us")
+          f"{splits} suffix splits; prefix pass {prefix_us:.1f} us; merge {merge_us:.1f} us")
     for block_n, warps, stages in PARTS_SUFFIX:
         with gpu_config(paged_attention.DECODE_CFG, BLOCK_N=block_n, num_warps=warps, num_stages=stages):
             us = bench(suffix, graph=True) * 1e3
@@ -185,13 +189,10 @@ def time_parts(batch, suffixes, generator):
     flops = 4 * batch * HQ * PREFIX * D
     for block_m, block_n, warps, stages in PARTS_PREFIX:
         tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        tile_m, tile_q = paged_attention.query_tile(tile, HQ // HKV, None, True)
         times = []
         for n in PARTS_CHUNKS:
             tile_partials = paged_attention.decode_partials(q, n + splits)
-            times.append(bench(lambda: cascade._launch_prefix(q, kc, vc, bt, scale, x["cu_group_rows"],
-                                                              x["group_prefix_lens"], ctx_start, tile_partials, n,
-                                                              tile_m, tile_q, tile), graph=True) * 1e3)
+            times.append(bench(lambda: prefix(tile, n, tile_partials), graph=True) * 1e3)  # noqa: B023 (timed here)
         print(f"  prefix pass, tile {block_m} x {block_n}, {warps} warps, {stages} stages, {PARTS_CHUNKS} chunks: "
               + " / ".join(f"{t:.1f}" for t in times) + f" us (best {flops / min(times) / 1e6:.0f} TFLOP/s)",
               flush=True)
