@@ -103,6 +103,15 @@ def time_pair(x, num_chunks=None):
     return bench(plain, graph=True) * 1e3, bench(cascaded, graph=True) * 1e3, err
 
 
+def op_partitions(x) -> tuple[int, int]:
+    """(prefix chunks, suffix splits) that ops.cascade_attention_decode picks for the batch x."""
+    q = x["q"]
+    block_q = paged_attention.query_tile(paged_attention.prefill_cfg(q, x["key_cache"]), HQ // HKV, None, True)[1]
+    max_ctx = x["block_tables"].shape[1] * BS
+    return (cascade.prefix_num_chunks(q.shape[0], HKV, block_q, max_ctx, q.device),
+            paged_attention.decode_num_splits(q.shape[0], HKV, max_ctx, q.device, balance=False))
+
+
 def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=None):
     x = make_batch([batch // num_groups] * num_groups, PREFIX, suffixes, generator)
     t_plain, t_cascade, err = time_pair(x, num_chunks)
@@ -111,10 +120,8 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
     suffix_tokens = total_tokens - batch * PREFIX
     plain_bytes = total_tokens * per_token + 2 * batch * HQ * D * ESZ
     cascade_bytes = (num_groups * PREFIX + suffix_tokens) * per_token + 2 * batch * HQ * D * ESZ
-    block_q = paged_attention.query_tile(paged_attention.prefill_cfg(x["q"], x["key_cache"]), HQ // HKV, None, True)[1]
-    max_ctx = x["block_tables"].shape[1] * BS
-    chunks = num_chunks or cascade.prefix_num_chunks(batch, HKV, block_q, max_ctx, x["q"].device)
-    splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, x["q"].device, balance=False)
+    chunks, splits = op_partitions(x)
+    chunks = num_chunks or chunks
     partial_bytes = 2 * batch * HQ * (chunks + splits) * D * 4  # written, then read by the merge
     pct = lambda nbytes, us: 100 * nbytes / (us * 1e-6) / COPY_BYTES_PER_S  # noqa: E731
     print(f"| {batch} | {num_groups} | {suffix_label} | {plain_bytes / 1e6:.0f} | {t_plain:.1f} | "
@@ -158,10 +165,7 @@ def time_parts(batch, suffixes, generator):
     x = make_batch([batch], PREFIX, suffixes, generator)
     q, kc, vc, bt, seq_lens = x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"]
     cfg = paged_attention.prefill_cfg(q, kc)
-    max_ctx = bt.shape[1] * BS
-    chunks = cascade.prefix_num_chunks(batch, HKV, paged_attention.query_tile(cfg, HQ // HKV, None, True)[1], max_ctx,
-                                       q.device)
-    splits = paged_attention.decode_num_splits(batch, HKV, max_ctx, q.device, balance=False)
+    chunks, splits = op_partitions(x)
     partials = paged_attention.decode_partials(q, chunks + splits)
     ctx_start, out, scale = torch.zeros(batch, dtype=torch.int32, device=q.device), torch.empty_like(q), D ** -0.5
 

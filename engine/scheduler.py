@@ -184,8 +184,8 @@ class Scheduler:
             pending = [s for s in pending[fit:] if s is not victim]
         slots = _concat(slots)
         if self.order_decodes_by_prefix and len(scheduled) > 1:  # after allocating, which must go oldest first
-            tables = manager.sequences
-            order = np.argsort([tables[s.seq_id].block_table[0] for s in scheduled], kind="stable")
+            states = manager.sequences
+            order = np.argsort([states[s.seq_id].block_table[0] for s in scheduled], kind="stable")
             scheduled, slots = [scheduled[i] for i in order.tolist()], slots[order]
         return scheduled, [1] * len(scheduled), [slots]
 
