@@ -48,7 +48,8 @@ SWEEP_SUFFIX = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3), (64, 4, 2), (16,
 PARTS_SUFFIX = [(64, 4, 3), (64, 4, 1), (64, 2, 2), (32, 4, 1), (32, 2, 1), (32, 4, 2), (32, 1, 2), (16, 1, 1),
                 (16, 2, 2), (16, 4, 3)]
 PARTS_PREFIX = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 8, 4), (128, 32, 4, 4), (64, 64, 4, 3),
-                (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3)]
+                (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3), (256, 64, 16, 3), (256, 128, 16, 2), (256, 64, 8, 3),
+                (256, 32, 8, 3)]
 PARTS_CHUNKS = (1, 2, 3, 5, 8)
 SWEEP_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
 DT = torch.bfloat16
@@ -174,9 +175,9 @@ def time_parts(batch, suffixes, generator):
         cascade._launch_prefix(q, kc, vc, bt, scale, x["cu_group_rows"], x["group_prefix_lens"], ctx_start,
                                tile_partials, num_chunks, tile_m, tile_q, tile)
 
-    def suffix():
+    def suffix(row_order=None):
         paged_attention.launch_decode(q, kc, vc, bt, seq_lens, scale, splits, partials=partials,
-                                      ctx_start=ctx_start, first_slot=chunks)
+                                      ctx_start=ctx_start, first_slot=chunks, row_order=row_order)
 
     prefix(cfg, chunks, partials)  # sets ctx_start
     suffix_bytes = int((seq_lens - ctx_start).sum()) * 2 * HKV * D * ESZ
@@ -185,6 +186,10 @@ def time_parts(batch, suffixes, generator):
                      graph=True) * 1e3
     print(f"batch {batch}, suffixes {int(suffixes.min())}-{int(suffixes.max())}: {chunks} prefix chunks, "
           f"{splits} suffix splits; prefix pass {prefix_us:.1f} us; merge {merge_us:.1f} us")
+    order = torch.argsort(seq_lens - ctx_start, descending=True, stable=True).to(torch.int32)
+    us = bench(lambda: suffix(order), graph=True) * 1e3
+    print(f"  suffix pass, default tile, longest first: {us:.1f} us, "
+          f"{100 * suffix_bytes / (us * 1e-6) / COPY_BYTES_PER_S:.0f}% of copy speed", flush=True)
     for block_n, warps, stages in PARTS_SUFFIX:
         with gpu_config(paged_attention.DECODE_CFG, BLOCK_N=block_n, num_warps=warps, num_stages=stages):
             us = bench(suffix, graph=True) * 1e3

@@ -13,7 +13,8 @@ Timing: triton.testing.do_bench medians (L2 flushed between repetitions, warm-up
 timed as CUDA-graph replays (as the engine runs it), the rest eagerly.
 Options: --sweep also times tile/warp/stage variants and forced split counts on a few shapes;
 --quick runs a reduced grid; --mixed [--range LO-HI] only times decode over contexts of mixed lengths,
-with the heuristic's split count and forced ones. Full log: $OUT/bench_ops.log when OUT is set.
+with the heuristic's split count and forced ones; --prefill-sweep only times the prefill kernel's tiles
+(PREFILL_SWEEP) on a few shapes, one of them chunks after a cached prefix as in shared_prefix. Full log: $OUT/bench_ops.log when OUT is set.
 """
 import argparse
 import math
@@ -154,8 +155,9 @@ def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
     """Contexts of mixed lengths, uniform in [lo, hi] (nano's decodes: 100-2000; long's: 512-4096), with
     the split count of the heuristic (from shapes, as for equal lengths) and with forced ones."""
     log(f"\n## decode, contexts uniform in [{lo}, {hi}] (bf16, block {bs}; CUDA-graph replays; % = of the copy)")
-    log("| batch | splits (heuristic) | time us | % copy | " + " | ".join(f"{n} splits us" for n in MIXED_SPLITS) + " |")
-    log("|---" * (4 + len(MIXED_SPLITS)) + "|")
+    log("| batch | splits (heuristic) | time us | % copy | longest first us | % copy | "
+        + " | ".join(f"{n} splits us" for n in MIXED_SPLITS) + " |")
+    log("|---" * (6 + len(MIXED_SPLITS)) + "|")
     gen = torch.Generator().manual_seed(0)
     for B in batches:
         lens = torch.randint(lo, hi + 1, (B,), generator=gen)
@@ -167,31 +169,34 @@ def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
         seq_lens = lens.to(torch.int32).cuda()
         args = (q, kc, vc, bt, seq_lens, 1 / math.sqrt(D))
         ms = bench(lambda: paged_attention.paged_attention_decode(*args), graph=True)
+        order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+        ordered = bench(lambda: paged_attention.paged_attention_decode(*args, row_order=order), graph=True)
         forced = [bench(lambda: paged_attention.paged_attention_decode(*args, num_splits=n), graph=True)
                   for n in MIXED_SPLITS]
         splits = paged_attention.decode_num_splits(B, HKV, M * bs, torch.device("cuda"))
-        log(f"| {B} | {splits} | {ms * 1e3:.1f} | {100 * 2 * int(lens.sum()) * HKV * D * ESZ / ms / 1e6 / copy_gbs:.0f}% | "
+        pct = [100 * 2 * int(lens.sum()) * HKV * D * ESZ / t / 1e6 / copy_gbs for t in (ms, ordered)]
+        log(f"| {B} | {splits} | {ms * 1e3:.1f} | {pct[0]:.0f}% | {ordered * 1e3:.1f} | {pct[1]:.0f}% | "
             + " | ".join(f"{t * 1e3:.1f}" for t in forced) + " |")
         del kc, vc
         torch.cuda.empty_cache()
 
 
-def prefill_case(nseq, L, bs, cfg=None):
-    T = nseq * L
-    nb = T // bs
-    kc = torch.randn(nb, HKV, bs, D, dtype=DT, device="cuda")
-    vc = torch.randn(nb, HKV, bs, D, dtype=DT, device="cuda")
-    M = L // bs
-    bt = torch.randperm(nb, device="cuda").to(torch.int32).view(nseq, M)
+def prefill_case(nseq, L, bs, cached=0):
+    """nseq chunks of L new tokens, each after `cached` tokens already in the cache."""
+    T, ctx = nseq * L, cached + L
+    M = -(-ctx // bs)
+    kc = torch.randn(nseq * M, HKV, bs, D, dtype=DT, device="cuda")
+    vc = torch.randn(nseq * M, HKV, bs, D, dtype=DT, device="cuda")
+    bt = torch.randperm(nseq * M, device="cuda").to(torch.int32).view(nseq, M)
     q = torch.randn(T, HQ, D, dtype=DT, device="cuda")
     cu = torch.arange(0, T + 1, L, dtype=torch.int32, device="cuda")
-    seq_lens = torch.full((nseq,), L, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((nseq,), ctx, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(D)
-    return lambda: paged_attention.paged_attention_prefill(q, kc, vc, bt, cu, seq_lens, scale, max_seqlen_q=L)
+    return lambda: paged_attention.paged_attention_prefill(q, kc, vc, bt, cu, seq_lens, scale)
 
 
-def prefill_flops(nseq, L):
-    return 4 * HQ * D * nseq * L * (L + 1) / 2
+def prefill_flops(nseq, L, cached=0):
+    return 4 * HQ * D * nseq * (L * cached + L * (L + 1) / 2)
 
 
 def run_prefill(mm_tflops, shapes, bs=16):
@@ -259,18 +264,27 @@ def sweep(copy_gbs, mm_tflops):
         log(f"B{B}/ctx{ctx}/bs16 (heuristic {paged_attention.decode_num_splits(B, HKV, ctx, torch.device('cuda'))}): " + "; ".join(res))
     del flat_k, flat_v
     torch.cuda.empty_cache()
-    log("\n## sweep: prefill tile configs, 1 x 8192 and 16 x 1024, bs 16 (TFLOP/s, % matmul)")
+    prefill_sweep(mm_tflops)
+
+
+PREFILL_SWEEP = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+                 (128, 64, 8, 4), (64, 128, 4, 2), (256, 64, 16, 3), (256, 128, 16, 2), (256, 64, 8, 3), (256, 32, 8, 3)]
+PREFILL_SWEEP_SHAPES = [(1, 8192, 0), (16, 1024, 0), (64, 128, 2048)]  # (chunks, new tokens, cached tokens)
+
+
+def prefill_sweep(mm_tflops):
+    log("\n## sweep: prefill tile configs, bs 16 (TFLOP/s, % matmul); chunks x new tokens (+ cached)")
     orig = dict(paged_attention.PREFILL_CFG["gpu"])
-    for cfg in [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 4), (64, 128, 4, 2)]:
+    for cfg in PREFILL_SWEEP:
         paged_attention.PREFILL_CFG["gpu"] = dict(BLOCK_M=cfg[0], BLOCK_N=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
         res = []
-        for nseq, L in [(1, 8192), (16, 1024)]:
+        for nseq, L, cached in PREFILL_SWEEP_SHAPES:
             try:
-                ms = bench(prefill_case(nseq, L, 16))
-                tf = prefill_flops(nseq, L) / ms / 1e9
-                res.append(f"{nseq}x{L}: {tf:.0f} TF/s {100 * tf / mm_tflops:.0f}%")
+                ms = bench(prefill_case(nseq, L, 16, cached))
+                tf = prefill_flops(nseq, L, cached) / ms / 1e9
+                res.append(f"{nseq}x{L}+{cached}: {tf:.0f} TF/s {100 * tf / mm_tflops:.0f}%")
             except Exception as e:  # noqa: BLE001
-                res.append(f"{nseq}x{L}: failed {type(e).__name__}: {str(e)[:80]}")
+                res.append(f"{nseq}x{L}+{cached}: failed {type(e).__name__}: {str(e)[:80]}")
         log(f"BLOCK_M={cfg[0]} BLOCK_N={cfg[1]} warps={cfg[2]} stages={cfg[3]}: " + "; ".join(res))
     paged_attention.PREFILL_CFG["gpu"] = orig
 
@@ -281,13 +295,16 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--mixed", action="store_true", help="only the mixed-length decode table")
     ap.add_argument("--range", default="100-2000", help="--mixed's context lengths, LO-HI")
+    ap.add_argument("--prefill-sweep", action="store_true", help="only the prefill tile sweep")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "benchmarks/ops.py needs a CUDA GPU"
     t0 = time.time()
     copy_gbs, mm_tflops = ceilings()
     if args.sweep:
         sweep(copy_gbs, mm_tflops)
-    if args.mixed:
+    if args.prefill_sweep:
+        prefill_sweep(mm_tflops)
+    elif args.mixed:
         lo, hi = map(int, args.range.split("-"))
         run_decode_mixed(copy_gbs, [4, 16, 32, 48, 64, 96, 128, 256], lo, hi)
     elif args.quick:

@@ -9,7 +9,7 @@ Usage: [MODEL=llama-3.2-1b] [OVERRIDES="cache.cascade_attention=off ..."] python
 CONTEXT is a prompt length or a range LO-HI (lengths uniform in it, as in the nano workload); +PREFIX puts
 one shared prefix of PREFIX tokens before every prompt (as the shared_prefix workload: the prefix cache
 shares its blocks, cascade attention reads them once per group); --host adds the host phases and
-cProfile. --mixed K: then, three times, K more prompts of the same kind arrive and the steps that prefill
+cProfile. --mixed K: then, four times, K more prompts of the same kind arrive and the steps that prefill
 them beside the running decodes (mixed steps, run eagerly) are timed: wall time, kernel time by kernel,
 and cProfile's top host functions. Default: 256:1024.
 """
@@ -50,7 +50,7 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
     lo, _, hi = context.partition("-")
     lo, hi = int(lo), int(hi or lo)
     overrides = os.environ.get("OVERRIDES", "").split()
-    engine = bench_engine(f"scheduler.max_num_seqs={num_seqs + 3 * mixed}", *overrides)
+    engine = bench_engine(f"scheduler.max_num_seqs={num_seqs + 4 * mixed}", *overrides)
     generator = torch.Generator().manual_seed(0)
     vocab = min(10000, engine.model.arch.vocab_size)
     prefix = torch.randint(0, vocab, (int(prefix_len or 0),), generator=generator).tolist()
@@ -78,7 +78,7 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
           f"K/V read at copy speed {kv_floor * 1e3:.2f} ms/step, cascade rows {engine.runner.cascade_rows}")
     print_kernels(by_kernel, steps, 16)
     if host:
-        phases(engine, steps)
+        phases(engine, lambda: (timed_steps(engine, steps), steps))
         profiler = cProfile.Profile()
         profiler.runcall(timed_steps, engine, steps)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
@@ -97,7 +97,7 @@ def prefill_all(engine) -> int:
 
 
 def mixed_steps(engine, count: int, add_requests) -> None:
-    """Three rounds of `count` new prompts prefilled beside the running decodes: wall, kernels, host."""
+    """Four rounds of `count` new prompts prefilled beside the running decodes: wall, kernels, host phases, cProfile."""
     add_requests(count)
     taken, wall = synced(prefill_all, engine)
     add_requests(count)
@@ -106,6 +106,8 @@ def mixed_steps(engine, count: int, add_requests) -> None:
           f"{wall / taken * 1e3:.2f} ms/step wall; {busy / profiled * 1e3:.2f} ms/step of kernels over "
           f"{profiled} steps")
     print_kernels(by_kernel, profiled, 12)
+    add_requests(count)
+    phases(engine, lambda: synced(prefill_all, engine)[::-1])
     add_requests(count)
     profiler = cProfile.Profile()
     profiler.runcall(prefill_all, engine)
@@ -149,15 +151,21 @@ def print_kernels(by_kernel: dict[str, tuple[float, int]], steps: int, top: int)
         print(f"  {seconds / steps * 1e3:7.3f} ms/step {calls // steps:4d} calls/step  {name[:90]}")
 
 
-def phases(engine, steps: int) -> None:
-    """Host milliseconds per step in scheduling, launching (building inputs, enqueueing the forward and
-    sampling) and waiting for the previous step's tokens; the rest is bookkeeping."""
-    totals = {"schedule": 0.0, "launch": 0.0, "wait for tokens": 0.0}
+def phases(engine, run) -> None:
+    """Host milliseconds per step in scheduling, launching (of which building inputs and enqueueing the
+    forward; the rest of it enqueues sampling) and waiting for the previous step's tokens; the rest is
+    bookkeeping. run() -> (wall seconds, steps)."""
+    totals = {"schedule": 0.0, "launch": 0.0, "prepare": 0.0, "forward": 0.0, "wait for tokens": 0.0}
     timed(engine.scheduler, "schedule", totals, "schedule")
     timed(engine.runner, "launch", totals, "launch")
+    timed(engine.runner, "prepare", totals, "prepare")
+    timed(engine.runner, "forward", totals, "forward")
     timed(engine.runner, "tokens", totals, "wait for tokens")
-    wall = timed_steps(engine, steps)
-    rest = wall - sum(totals.values())
+    wall, steps = run()
+    for name in ("schedule", "launch", "prepare", "forward", "tokens"):
+        owner = engine.scheduler if name == "schedule" else engine.runner
+        delattr(owner, name)  # the instance's wrapper goes; the class's method is back
+    rest = wall - totals["schedule"] - totals["launch"] - totals["wait for tokens"]
     print("host per step, ms: " + ", ".join(f"{k} {v / steps * 1e3:.3f}" for k, v in totals.items())
           + f", other {rest / steps * 1e3:.3f}")
 

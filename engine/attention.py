@@ -43,13 +43,15 @@ class AttentionMetadata:
     """Per-step addressing shared by every layer. slot_mapping [T]: the cache slot of each row's K/V
     (-1: write nothing); block_tables [Bd, M] and seq_lens [Bd] of the decode rows; prefill: the
     chunks, None in a decode-only step; cascade: the decode rows' shared-prefix groups, None when
-    no row reads a shared prefix this step."""
+    no row reads a shared prefix this step; decode_order [Bd]: the order in which plain decode starts
+    the decode rows (the model runner's: longest first), None: batch order."""
 
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     prefill: PrefillMetadata | None = None
     cascade: CascadeMetadata | None = None
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_decode_seqs(self) -> int:
@@ -76,7 +78,8 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata):
         if meta.cascade is None:
-            return ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale)
+            return ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                              row_order=meta.decode_order)
         # no max_group_rows hint: a row tile per group size would be one more kernel to compile mid-run
         return ops.cascade_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
                                             meta.cascade.cu_group_rows, meta.cascade.group_prefix_lens)

@@ -1,9 +1,9 @@
 """CUDA graphs of the decode forward, one per batch-size bucket, sharing one memory pool.
 
 A decode step copies its inputs into static buffers, pads the batch up to the smallest bucket that
-holds it (padding rows: slot -1, so nothing is written, and seq_len 0, so nothing is read) and
-replays that bucket's graph. block_tables are as wide as max_model_len needs, so a graph never
-depends on the batch's current lengths. With a CascadePolicy, buckets of at least its min_rows also
+holds it (padding rows: slot -1, so nothing is written, seq_len 0, so nothing is read, and last in
+decode_order) and replays that bucket's graph. block_tables are as wide as max_model_len needs, so a
+graph never depends on the batch's current lengths. With a CascadePolicy, buckets of at least its min_rows also
 get a cascade graph, for steps whose decode rows share prefixes: its static group buffers hold
 max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
 prefix 0), and the bucket's padding rows come after every group.
@@ -40,6 +40,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.rows = torch.arange(max_batch, dtype=torch.int32, device=device)  # padding rows keep their place
+        self.decode_order = self.rows.clone()
         keys = [(size, False) for size in self.buckets]
         if cascade is not None:
             entries = cascade.max_entries
@@ -59,7 +61,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int, cascade: bool) -> torch.Tensor:
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
-                                 cascade=self.groups if cascade else None)
+                                 cascade=self.groups if cascade else None,
+                                 decode_order=None if cascade else self.decode_order[:size])
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
 
     def _bucket(self, batch_size: int) -> int | None:
@@ -81,6 +84,9 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[batch:size].zero_()
         self.block_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        if meta.decode_order is not None:  # a cascade graph does not read it
+            self.decode_order[:batch].copy_(meta.decode_order, non_blocking=True)
+            self.decode_order[batch:size].copy_(self.rows[batch:size])
         if meta.cascade is not None:
             copy_groups(self.groups, meta.cascade)
         self.graphs[key].replay()

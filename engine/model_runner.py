@@ -64,8 +64,11 @@ class ModelRunner:
         if n < len(batch.seqs):
             prefill = PrefillMetadata(self._to_device(tables[n:]), self._to_device(seq_lens[n:]),
                                       self._to_device(cu_seqlens[n:] - n))
+        cascade = self._cascade(tables[:n], seq_lens[:n])
+        # over short own contexts (the cascade's suffix pass) the order only cost time: benchmarks/NOTES.md
+        order = None if cascade is not None else self._to_device(longest_first(seq_lens[:n]))
         meta = AttentionMetadata(self._to_device(batch.slot_mapping), self._to_device(tables[:n]),
-                                 self._to_device(seq_lens[:n]), prefill, self._cascade(tables[:n], seq_lens[:n]))
+                                 self._to_device(seq_lens[:n]), prefill, cascade, order)
         sampled_rows = self._to_device(cu_seqlens[1:][np.array(batch.draws, dtype=bool)].astype(np.int64) - 1)
         return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, sampled_rows
 
@@ -175,6 +178,13 @@ class ModelRunner:
         if step.copied is not None:
             step.copied.synchronize()
         return step.host_tokens.tolist()
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """The decode rows by seq_len, longest first, ties in batch order: int32 [Bd]. The decode kernel
+    starts its programs in this order, so over mixed lengths its last wave holds the shortest rows
+    rather than a long row that happened to come last."""
+    return np.argsort(-seq_lens.astype(np.int64), kind="stable").astype(np.int32)
 
 
 @dataclass

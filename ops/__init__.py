@@ -35,11 +35,12 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=Non
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, backend=None, *,
-                           max_seq_len=None):
+                           max_seq_len=None, row_order=None):
     """max_seq_len (optional): a CPU-side bound of seq_lens; the Triton backend uses it only to size its
-    split-KV grid (results are right for any value)."""
+    split-KV grid (results are right for any value). row_order (optional): an int32 [B] permutation of
+    the rows, the order in which the Triton kernel starts them (the engine's: longest first)."""
     return _pick(backend, q, "paged_attention").paged_attention_decode(
-        q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len)
+        q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, row_order=row_order)
 
 
 def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,

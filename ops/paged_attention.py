@@ -2,7 +2,7 @@
 
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping)                  (in place)
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                           max_seq_len=None, num_splits=None) -> out
+                           max_seq_len=None, num_splits=None, row_order=None) -> out
     paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                             max_seqlen_q=None) -> out
 
@@ -12,10 +12,11 @@ in CUDA graphs.
 
 Kernels:
 - write_kv_cache: one program per new token, scattering its [Hkv, D] rows (skipped when slot < 0).
-- decode: one program per (sequence, kv head, split). The G = Hq // Hkv query heads of a kv head
-  are packed into a tile of max(16, next_pow2(G)) rows, so each K/V tile is read once per kv head
-  and both products go through tl.dot. Online softmax over the sequence's tokens, in tiles of
-  BLOCK_N tokens; each token's physical block comes from the block table (one scalar look-up per
+- decode: one program per (sequence, kv head, split), a sequence's programs started together, the
+  sequences in an optional row_order (longest first: over contexts of mixed lengths the last wave then
+  holds the short ones). The G = Hq // Hkv query heads of a kv head are packed into a tile of
+  max(16, next_pow2(G)) rows, so each K/V tile is read once per kv head and both products go through
+  tl.dot. Online softmax over the sequence's tokens, in tiles of BLOCK_N tokens; each token's physical block comes from the block table (one scalar look-up per
   tile when the block size is a multiple of BLOCK_N). Split-KV (flash-decoding): when
   B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
   ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
@@ -200,7 +201,7 @@ def _attend_range(
 # --------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["s_btb", "first_slot"])
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, ctx_start_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, ctx_start_ptr, order_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, num_splits, first_slot, num_q_heads,
     s_qb, s_qh, s_qd,
     s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
@@ -208,14 +209,23 @@ def _decode_kernel(
     s_ob, s_oh, s_od,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_CTX_START: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_CTX_START: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Attention of each sequence's query over its tokens [ctx_start, seq_len) (ctx_start 0 unless
     HAS_CTX_START; then it must be a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0). SPLIT writes
-    partial (out, log2-sum-exp) pairs to slots first_slot + split instead of the output."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    partial (out, log2-sum-exp) pairs to slots first_slot + split instead of the output. A 1-D grid of
+    B x Hkv x num_splits programs, row-major: the i-th row taken is row_order[i] with HAS_ORDER, else i.
+    The GPU starts programs in grid order, so a longest-first order leaves the short rows for the last
+    wave."""
+    pid = tl.program_id(0)
+    per_row = (num_q_heads // G) * num_splits
+    i = pid // per_row
+    kvh = (pid % per_row) // num_splits
+    split = pid % num_splits
+    if HAS_ORDER:
+        b = tl.load(order_ptr + i)
+    else:
+        b = i
     seq_len = tl.load(seqlen_ptr + b)
     if HAS_CTX_START:
         ctx_start = tl.load(ctx_start_ptr + b)
@@ -357,25 +367,26 @@ def decode_partials(q, num_slots):
 
 
 def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits, out=None,
-                  partials=None, ctx_start=None, first_slot=0):
-    """The decode kernel over grid (B, Hkv, num_splits): into out, or, given partials (see
+                  partials=None, ctx_start=None, first_slot=0, row_order=None):
+    """The decode kernel over B x Hkv x num_splits programs: into out, or, given partials (see
     decode_partials), into their slots first_slot .. first_slot + num_splits - 1. ctx_start [B] int32
-    (optional): each row attends to tokens [ctx_start, seq_len) only."""
+    (optional): each row attends to tokens [ctx_start, seq_len) only. row_order [B] int32 (optional):
+    a permutation of the rows, the order in which their programs start."""
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     cfg = decode_cfg(q, key_cache)
     split = partials is not None
     part_o, part_lse = partials if split else (out, out)
     out = out if out is not None else q  # unused when split
-    _decode_kernel[(B, Hkv, num_splits)](
+    _decode_kernel[(B * Hkv * num_splits,)](
         q, key_cache, value_cache, block_tables, seq_lens, ctx_start if ctx_start is not None else seq_lens,
-        out, part_o, part_lse,
+        row_order if row_order is not None else seq_lens, out, part_o, part_lse,
         float(scale) * LOG2E, num_splits, first_slot, Hq,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
         G=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), HEAD_DIM=D,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
-        DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
+        HAS_ORDER=row_order is not None, DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -396,10 +407,12 @@ def launch_reduce(partials, out, num_slots, ctx_start=None, num_prefix_slots=0):
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                           max_seq_len: Optional[int] = None, num_splits: Optional[int] = None):
+                           max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, row_order=None):
     """max_seq_len: optional CPU-side bound of seq_lens; it only sizes the split-KV grid (results are
     right whatever its value, since each split's range is computed in the kernel from seq_len).
-    num_splits: force the number of KV partitions (tests, benchmarks); None picks it from shapes."""
+    num_splits: force the number of KV partitions (tests, benchmarks); None picks it from shapes.
+    row_order: optional int32 [B] permutation, the order in which the rows' programs start (longest
+    first shortens the last wave over mixed lengths); results do not depend on it."""
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     out = torch.empty_like(q)
@@ -412,10 +425,11 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, sc
         num_splits = decode_num_splits(B, Hkv, max_ctx, q.device)
     num_splits = max(1, int(num_splits))
     if num_splits == 1:
-        launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, 1, out=out)
+        launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, 1, out=out, row_order=row_order)
         return out
     partials = decode_partials(q, num_splits)
-    launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits, partials=partials)
+    launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits, partials=partials,
+                  row_order=row_order)
     launch_reduce(partials, out, num_splits)
     return out
 

@@ -82,8 +82,9 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
     return out
 
 
-def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None):
-    """max_seq_len: a grid-sizing hint for the Triton version, not needed here."""
+def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
+                           row_order=None):
+    """max_seq_len and row_order: grid-sizing and scheduling hints for the Triton version, not needed here."""
     cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
 

@@ -60,3 +60,12 @@ def test_mixed_step_equals_separate_prefill_and_decode_steps(make_config):
     for layer in range(len(cache.key_caches)):
         torch.testing.assert_close(cache.key_caches[layer], split_cache.key_caches[layer])
         torch.testing.assert_close(cache.value_caches[layer], split_cache.value_caches[layer])
+
+
+def test_longest_first_is_the_decode_start_order():
+    """The plain decode kernel starts rows longest first, ties in batch order (by hand)."""
+    from engine.model_runner import longest_first
+
+    order = longest_first(np.array([5, 900, 17, 900, 1, 64], dtype=np.int32))
+    assert order.dtype == np.int32 and order.tolist() == [1, 3, 5, 2, 0, 4]
+    assert longest_first(np.zeros(0, dtype=np.int32)).tolist() == []
