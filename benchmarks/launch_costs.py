@@ -35,7 +35,8 @@ def launch_host_costs(counts: list[int]) -> None:
     x = torch.randn(max(counts), 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
     norm_w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
-    calls = {"cuBLAS linear": lambda m: F.linear(x[:m], w), "Triton rms_norm": lambda m: ops.rms_norm(x[:m], norm_w, 1e-6)}
+    calls = {"cuBLAS linear": lambda m: F.linear(x[:m], w),
+             "Triton rms_norm": lambda m: ops.rms_norm(x[:m], norm_w, 1e-6)}
     for name, call in calls.items():
         call(8)  # first use: handles, compilation
         first = [host_us(lambda: call(m)) for m in counts]

@@ -13,8 +13,9 @@ Timing: triton.testing.do_bench medians (L2 flushed between repetitions, warm-up
 timed as CUDA-graph replays (as the engine runs it), the rest eagerly.
 Options: --sweep also times tile/warp/stage variants and forced split counts on a few shapes;
 --quick runs a reduced grid; --mixed [--range LO-HI] only times decode over contexts of mixed lengths,
-with the heuristic's split count and forced ones; --prefill-sweep only times the prefill kernel's tiles
-(PREFILL_SWEEP) on a few shapes, one of them chunks after a cached prefix as in shared_prefix. Full log: $OUT/bench_ops.log when OUT is set.
+with the heuristic's split count and forced ones, each in batch order and longest first;
+--prefill-sweep only times the prefill kernel's tiles (PREFILL_SWEEP) on a few shapes, one of them
+chunks after a cached prefix as in shared_prefix. Full log: $OUT/bench_ops.log when OUT is set.
 """
 import argparse
 import math
@@ -156,7 +157,7 @@ def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
     the split count of the heuristic (from shapes, as for equal lengths) and with forced ones."""
     log(f"\n## decode, contexts uniform in [{lo}, {hi}] (bf16, block {bs}; CUDA-graph replays; % = of the copy)")
     log("| batch | splits (heuristic) | time us | % copy | longest first us | % copy | "
-        + " | ".join(f"{n} splits us" for n in MIXED_SPLITS) + " |")
+        + " | ".join(f"{n} splits us (batch order / longest first)" for n in MIXED_SPLITS) + " |")
     log("|---" * (6 + len(MIXED_SPLITS)) + "|")
     gen = torch.Generator().manual_seed(0)
     for B in batches:
@@ -171,12 +172,12 @@ def run_decode_mixed(copy_gbs, batches, lo=100, hi=2000, bs=16):
         ms = bench(lambda: paged_attention.paged_attention_decode(*args), graph=True)
         order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
         ordered = bench(lambda: paged_attention.paged_attention_decode(*args, row_order=order), graph=True)
-        forced = [bench(lambda: paged_attention.paged_attention_decode(*args, num_splits=n), graph=True)
-                  for n in MIXED_SPLITS]
+        forced = [[bench(lambda: paged_attention.paged_attention_decode(*args, num_splits=n, row_order=o), graph=True)
+                   for o in (None, order)] for n in MIXED_SPLITS]
         splits = paged_attention.decode_num_splits(B, HKV, M * bs, torch.device("cuda"))
         pct = [100 * 2 * int(lens.sum()) * HKV * D * ESZ / t / 1e6 / copy_gbs for t in (ms, ordered)]
         log(f"| {B} | {splits} | {ms * 1e3:.1f} | {pct[0]:.0f}% | {ordered * 1e3:.1f} | {pct[1]:.0f}% | "
-            + " | ".join(f"{t * 1e3:.1f}" for t in forced) + " |")
+            + " | ".join(f"{a * 1e3:.1f} / {b * 1e3:.1f}" for a, b in forced) + " |")
         del kc, vc
         torch.cuda.empty_cache()
 

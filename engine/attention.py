@@ -1,11 +1,13 @@
-"""Paged attention for any decoder: write this step's K/V through slot_mapping, then attend through
-block tables and sequence lengths, sending decode rows and prefill rows to their kernels.
+"""Paged attention for any decoder: rotate q and k (RoPE, after the optional QK-norm) and write this
+step's K/V through slot_mapping, in one kernel, then attend through block tables and sequence lengths,
+sending decode rows and prefill rows to their kernels.
 
 A step's rows are ordered decode first: sequences 0 .. num_decode_seqs - 1 have one query token each
 (rows 0 .. num_decode_seqs - 1), the prefill chunks of the other sequences follow. A decode-only step is
 what the CUDA graphs capture. Decode rows in groups that share a prefix of blocks (engine/prefix_groups.py)
 take cascade attention, which reads each group's prefix once; a step without groups takes the plain path.
-The model file only computes q, k and v; everything about the cache and the batch's layout lives here.
+The model file only computes q, k and v and owns the rotary tables and norms; everything about the cache
+and the batch's layout lives here.
 """
 from dataclasses import dataclass
 
@@ -63,9 +65,12 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q, k, v, key_cache, value_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] -> attention output [T, Hq * D]."""
-        ops.write_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    def forward(self, q, k, v, positions, rotary, key_cache, value_cache, meta: AttentionMetadata,
+                qk_norm=None) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D], before RoPE -> attention output [T, Hq * D]. rotary: the
+        cos/sin tables; qk_norm: (q_weight, k_weight, eps) of a per-head RMSNorm before RoPE, or None."""
+        q = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache,
+                                        meta.slot_mapping, qk_norm=qk_norm)
         n = meta.num_decode_seqs
         if meta.prefill is None:
             out = self._decode(q, key_cache, value_cache, meta)

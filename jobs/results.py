@@ -28,6 +28,7 @@ import itertools
 import json
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -236,12 +237,24 @@ class ResultWriter:
 
 @contextmanager
 def _signals_deferred():
-    """SIGINT and SIGTERM are held (not lost) inside the block and delivered when it is left."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """SIGINT and SIGTERM are held (not lost) inside the block and raised again when it is left. Held by
+    Python handlers that only note them: a signal mask holds them for one thread only, and the kernel hands
+    a process's signal to any thread that does not block it (Ray's, pyarrow's), after which Python raises
+    it in the main thread all the same. Off the main thread, where Python cannot set handlers, a plain
+    block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted = []
+    previous = {s: signal.signal(s, lambda signum, _frame: noted.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for s in noted:
+            signal.raise_signal(s)
 
 
 def openai_line(row_number: int, samples: list[dict], model: str, created: int) -> dict:

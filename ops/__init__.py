@@ -79,15 +79,14 @@ def fused_add_rms_norm(x, residual, weight, eps, backend=None):
     return _pick(backend, x, "fused").fused_add_rms_norm(x, residual, weight, eps)
 
 
-def rope(q, k, cos, sin, positions, backend=None):
-    """q [T, Hq, D], k [T, Hkv, D]: RoPE with the float32 tables cos/sin [max_pos, D] at positions [T]
-    -> (q', k') (new contiguous tensors)."""
-    return _pick(backend, q, "fused").rope(q, k, cos, sin, positions)
-
-
-def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions, backend=None):
-    """rope of the per-head RMSNorm over D of q and k (weights q_weight, k_weight [D])."""
-    return _pick(backend, q, "fused").qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions)
+def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, backend=None, *,
+                            qk_norm=None):
+    """q [T, Hq, D], k and v [T, Hkv, D]: RoPE of q and k with the float32 tables cos/sin [max_pos, D] at
+    positions [T], after the per-head RMSNorm over D of each when qk_norm = (q_weight [D], k_weight [D],
+    eps) is given (Qwen3's QK-norm); the rotated k and v go to the cache through slot_mapping
+    (write_kv_cache's contract) -> the rotated q (a new contiguous tensor). One kernel on CUDA."""
+    return _pick(backend, q, "fused").rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache,
+                                                              slot_mapping, qk_norm)
 
 
 def silu_and_mul(x, backend=None):

@@ -3,8 +3,8 @@ references: ops/fused_reference.py).
 
     rms_norm(x[T,H], weight[H], eps) -> [T,H]
     fused_add_rms_norm(x[T,H], residual[T,H], weight[H], eps) -> (normed, x + residual)
-    rope(q[T,Hq,D], k[T,Hkv,D], cos[P,D], sin[P,D], positions[T]) -> (q', k')
-    qk_norm_rope(q, k, q_weight[D], k_weight[D], eps, cos, sin, positions) -> (q', k')
+    rope_and_write_kv_cache(q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], cos[P,D], sin[P,D], positions[T],
+                            key_cache, value_cache, slot_mapping[T], qk_norm=None) -> q'
     silu_and_mul(x[T, 2I]) -> [T, I]
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
@@ -13,9 +13,11 @@ synchronises with the host (grids come from shapes only), so they can be capture
 
 Kernels:
 - rms_norm / fused_add_rms_norm: one program per row, the whole row in registers.
-- rope / qk_norm_rope: one kernel, QK-norm a compile-time switch; one program per (token, group of
-  heads); each element also loads its rotary partner (d +- D/2) and normalises it with the same
-  per-head scale, so no shuffle is needed.
+- rope_and_write_kv_cache: one program per (token, group of heads), QK-norm a compile-time switch;
+  each element also loads its rotary partner (d +- D/2) and normalises it with the same per-head
+  scale, so no shuffle is needed. A program of k heads stores them, rotated, straight into the cache
+  slot of its token, and copies the same heads of v there (write_kv_cache's work, without a kernel of
+  its own or a k' tensor).
 - silu_and_mul: one program per (row, tile of I).
 The sampling kernels are in ops/sampling.py.
 """
@@ -82,15 +84,16 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 
 # --------------------------------------------------------------------------------------------
-# rope, qk_norm_rope
+# rope_and_write_kv_cache
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _rope_heads(
     x_ptr, o_ptr, w_ptr, cos_row, sin_row, s_cd,
     s_xh, s_xd, s_oh, s_od,
-    h0, n_heads, eps,
+    h0, n_heads, eps, live,
     NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Heads h0 .. h0 + BLOCK_H of one token, rotated, stored at o_ptr when live is nonzero."""
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     d_mask = d < HEAD_DIM
@@ -111,17 +114,20 @@ def _rope_heads(
     c = tl.load(cos_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
     s = tl.load(sin_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
     out = (y * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
-    tl.store(o_ptr + h * s_oh + d * s_od, out.to(o_ptr.dtype.element_ty), mask=mask)
+    # (live + 0 * h) keeps the mask a block: the interpreter rejects a scalar & block mask
+    tl.store(o_ptr + h * s_oh + d * s_od, out.to(o_ptr.dtype.element_ty), mask=mask & ((live + 0 * h) != 0))
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, qo_ptr, ko_ptr,
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
     num_q_heads, num_kv_heads, eps,
-    s_qt, s_qh, s_qd, s_kt, s_kh, s_kd,
-    s_qot, s_qoh, s_qod, s_kot, s_koh, s_kod,
+    s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
+    s_qot, s_qoh, s_qod,
+    s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
     s_cp, s_cd,
     NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -131,46 +137,48 @@ def _rope_kernel(
     q_groups = tl.cdiv(num_q_heads, BLOCK_H)
     if g < q_groups:
         _rope_heads(q_ptr + t * s_qt, qo_ptr + t * s_qot, qw_ptr, cos_row, sin_row, s_cd,
-                    s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps,
+                    s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps, 1,
                     NORM, HEAD_DIM, BLOCK_H, BLOCK_D)
     else:
-        _rope_heads(k_ptr + t * s_kt, ko_ptr + t * s_kot, kw_ptr, cos_row, sin_row, s_cd,
-                    s_kh, s_kd, s_koh, s_kod, (g - q_groups) * BLOCK_H, num_kv_heads, eps,
+        h0 = (g - q_groups) * BLOCK_H
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        live = (slot >= 0).to(tl.int32)  # slot -1: the token writes nothing
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        _rope_heads(k_ptr + t * s_kt, kc_ptr + blk * s_kcb + off * s_kct, kw_ptr, cos_row, sin_row, s_cd,
+                    s_kh, s_kd, s_kch, s_kcd, h0, num_kv_heads, eps, live,
                     NORM, HEAD_DIM, BLOCK_H, BLOCK_D)
+        h = h0 + tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < num_kv_heads) & (d < HEAD_DIM) & ((live + 0 * h) != 0)
+        v = tl.load(v_ptr + t * s_vt + h * s_vh + d * s_vd, mask=mask)
+        tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def _rope_launch(q, k, q_weight, k_weight, eps, cos, sin, positions):
-    """q_weight None: RoPE alone; else QK-norm with q_weight, k_weight, eps first."""
+def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None):
+    """qk_norm: None for RoPE alone, else (q_weight, k_weight, eps) of the QK-norm before it."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and k.shape[2] == D and cos.shape[1] == D and sin.stride() == cos.stride()
-    norm = q_weight is not None
-    if norm:
-        q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm[0].contiguous(), qk_norm[1].contiguous(), qk_norm[2]
     else:
         q_weight, k_weight, eps = q, k, 0.0  # unused (NORM=False)
-    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0:
-        return q_out, k_out
+        return q_out
     block_d = triton.next_power_of_2(D)
     block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 2048 // block_d))
     grid = (T, triton.cdiv(Hq, block_h) + triton.cdiv(Hkv, block_h))
     _rope_kernel[grid](
-        q, k, q_weight, k_weight, cos, sin, positions, q_out, k_out,
+        q, k, v, q_weight, k_weight, cos, sin, positions, slot_mapping, q_out, key_cache, value_cache,
         Hq, Hkv, float(eps),
-        *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(), *cos.stride(),
-        NORM=norm, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *key_cache.stride(), *value_cache.stride(),
+        *cos.stride(),
+        NORM=qk_norm is not None, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=key_cache.shape[2],
+        num_warps=4,
     )
-    return q_out, k_out
-
-
-def rope(q, k, cos, sin, positions):
-    return _rope_launch(q, k, None, None, 0.0, cos, sin, positions)
-
-
-def qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin, positions):
-    return _rope_launch(q, k, q_weight, k_weight, eps, cos, sin, positions)
+    return q_out
 
 
 # --------------------------------------------------------------------------------------------

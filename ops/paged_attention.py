@@ -16,8 +16,9 @@ Kernels:
   sequences in an optional row_order (longest first: over contexts of mixed lengths the last wave then
   holds the short ones). The G = Hq // Hkv query heads of a kv head are packed into a tile of
   max(16, next_pow2(G)) rows, so each K/V tile is read once per kv head and both products go through
-  tl.dot. Online softmax over the sequence's tokens, in tiles of BLOCK_N tokens; each token's physical block comes from the block table (one scalar look-up per
-  tile when the block size is a multiple of BLOCK_N). Split-KV (flash-decoding): when
+  tl.dot. Online softmax over the sequence's tokens, in tiles of BLOCK_N tokens; each token's
+  physical block comes from the block table (one scalar look-up per tile when the block size is a
+  multiple of BLOCK_N). Split-KV (flash-decoding): when
   B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
   ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
   second kernel merges them (one program per row and tile of heads). Cascade decode (ops/cascade.py)

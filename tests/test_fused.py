@@ -133,35 +133,50 @@ def test_fused_add_rms_norm(gen, backend, dtype, T, H):
     check_unfused(normed, unfused, backend, dtype, gen, "normed")
 
 
-# --- rope, qk_norm_rope ----------------------------------------------------------------------
+# --- rope_and_write_kv_cache ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 4, 2, 64), (7, 8, 1, 128), (5, 4, 2, 24), (3, 40, 8, 128), (4, 14, 2, 64)])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm_rope", "rope"])
-def test_rope(gen, backend, dtype, T, Hq, Hkv, D, qk_norm):
-    max_pos = 4096
+def test_rope_and_write_kv_cache(gen, backend, dtype, T, Hq, Hkv, D, qk_norm):
+    """The rotated q is returned; the rotated k and v land in the cache at each token's slot (a NaN-filled
+    cache: every other slot stays NaN; with more than one token, token 1's slot is -1 and writes nothing)."""
+    max_pos, block_size = 4096, 4
     rotary = RotaryEmbedding(D, Rope(1e6), max_pos).to(DEVICE)
-    # q and k as the attention layer makes them: views of the fused qkv projection
+    # q, k and v as the attention layer gets them: views of the fused qkv projection
     qkv = randn(gen, T, (Hq + 2 * Hkv) * D, dtype=dtype, scale=2.0, pad=3)
     q = qkv[:, : Hq * D].reshape(T, Hq, D)
     k = qkv[:, Hq * D: (Hq + Hkv) * D].reshape(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].reshape(T, Hkv, D)
     q_w, k_w = randn(gen, D, dtype=dtype), randn(gen, D, dtype=dtype)
     positions = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
-    if qk_norm:
-        q_out, k_out = ops.qk_norm_rope(q, k, q_w, k_w, EPS, rotary.cos, rotary.sin, positions, backend=backend)
-    else:
-        q_out, k_out = ops.rope(q, k, rotary.cos, rotary.sin, positions, backend=backend)
-    assert q_out.shape == q.shape and k_out.shape == k.shape
-    for out, x, w, what in ((q_out, q, q_w, "q"), (k_out, k, k_w, "k")):
-        ref = oracle_rope(oracle_rms_norm(x, w, EPS) if qk_norm else x.double(), rotary.cos, rotary.sin, positions)
+    num_blocks = T + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:T].to(torch.int32)
+    writes = torch.arange(T) != 1
+    slots[~writes] = -1
+    key_cache, value_cache = (torch.full((num_blocks, Hkv, block_size, D), NAN, dtype=dtype, device=DEVICE)
+                              for _ in range(2))
+    norm = (q_w, k_w, EPS) if qk_norm else None
+    q_out = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache,
+                                        slots.to(DEVICE), backend=backend, qk_norm=norm)
+    assert q_out.shape == q.shape
+    written, at = slots[writes].long().to(DEVICE), writes.to(DEVICE)
+    k_out, v_out = (c.permute(0, 2, 1, 3).reshape(-1, Hkv, D)[written] for c in (key_cache, value_cache))
+    for out, x, w, pos, what in ((q_out, q, q_w, positions, "q"), (k_out, k[at], k_w, positions[at], "k")):
+        ref = oracle_rope(oracle_rms_norm(x, w, EPS) if qk_norm else x.double(), rotary.cos, rotary.sin, pos)
         check(out, ref, dtype, gen, f"{what} vs float64")
+    assert torch.equal(v_out, v[at]), f"v (seed={gen.initial_seed()})"
+    unwritten = num_blocks * block_size - int(writes.sum())
+    for cache in (key_cache, value_cache):
+        unchanged = int(cache.isnan().all(-1).sum())
+        assert unchanged == unwritten * Hkv, f"writes outside the slots (seed={gen.initial_seed()})"
     # transformers' apply_rotary_pos_emb, with its tables in the model dtype
     cos, sin = rotary.cos[positions].to(dtype), rotary.sin[positions].to(dtype)
     if qk_norm:
         q, k = unfused_rms_norm(q, q_w, EPS), unfused_rms_norm(k, k_w, EPS)
-    unfused = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-    for out, expected, what in zip((q_out, k_out), unfused, "qk"):
-        check_unfused(out, expected, backend, dtype, gen, what)
+    q_unfused, k_unfused = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    check_unfused(q_out, q_unfused, backend, dtype, gen, "q")
+    check_unfused(k_out, k_unfused[at], backend, dtype, gen, "k")
 
 
 # --- silu_and_mul --------------------------------------------------------------------------
@@ -220,14 +235,15 @@ def test_no_host_synchronisation(gen):
     rotary = RotaryEmbedding(D, Rope(1e6), 128).to(DEVICE)
     x, r, w = randn(gen, T, H), randn(gen, T, H), randn(gen, H)
     q, k, qkw = randn(gen, T, Hq, D), randn(gen, T, Hkv, D), randn(gen, D)
-    positions = torch.arange(T, device=DEVICE)
+    positions, slots = torch.arange(T, device=DEVICE), torch.arange(T, dtype=torch.int32, device=DEVICE)
+    cache = torch.zeros(T, Hkv, 1, D, device=DEVICE)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         ops.rms_norm(x, w, EPS)
         ops.fused_add_rms_norm(x, r, w, EPS)
-        ops.qk_norm_rope(q, k, qkw, qkw, EPS, rotary.cos, rotary.sin, positions)
-        ops.rope(q, k, rotary.cos, rotary.sin, positions)
+        for norm in ((qkw, qkw, EPS), None):
+            ops.rope_and_write_kv_cache(q, k, k, rotary.cos, rotary.sin, positions, cache, cache, slots, qk_norm=norm)
         ops.silu_and_mul(x)
     finally:
         torch.cuda.set_sync_debug_mode("default")

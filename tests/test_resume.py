@@ -4,6 +4,7 @@ what finished and stop; generations.parquet has every id exactly once and is wri
 import os
 import re
 import signal
+import threading
 import subprocess
 import sys
 import time
@@ -88,15 +89,24 @@ def test_slow_rows_are_flushed_after_flush_interval_s(make_config, tmp_path):
     assert len(writer.parts) == 1 and not writer.buffer
 
 
-def test_an_interrupt_during_a_flush_saves_each_row_once(make_config, tmp_path, monkeypatch):
-    """SIGINT arriving while a part is written (the generate job then saves what is buffered and stops)."""
+@pytest.mark.parametrize("receiver", ["this thread", "another thread"])
+def test_an_interrupt_during_a_flush_saves_each_row_once(make_config, tmp_path, monkeypatch, receiver):
+    """SIGINT arriving while a part is written (the generate job then saves what is buffered and stops),
+    taken by the thread that writes or by another one (a process has threads of Ray, pyarrow, torch:
+    the kernel hands a process's signal to any thread that does not block it)."""
     import jobs.results
 
     write = jobs.results.write_atomic
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
 
     def write_then_interrupt(*args, **kwargs):
-        write(*args, **kwargs)
-        os.kill(os.getpid(), signal.SIGINT)  # the part is on disk, the buffer not yet cleared
+        write(*args, **kwargs)  # the part is on disk, the buffer not yet cleared
+        if receiver == "this thread":
+            os.kill(os.getpid(), signal.SIGINT)
+        else:
+            signal.pthread_kill(other.ident, signal.SIGINT)
 
     monkeypatch.setattr(jobs.results, "write_atomic", write_then_interrupt)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -109,6 +119,7 @@ def test_an_interrupt_during_a_flush_saves_each_row_once(make_config, tmp_path, 
         writer.flush()  # the job's save on the way out
     finally:
         signal.signal(signal.SIGINT, previous)
+        idle.set()
     # the interrupted flush finished its bookkeeping: the save wrote only row 2, as the next part
     assert [(p.name, pq.read_table(p)["row"].to_pylist()) for p in writer.parts] == [
         ("part-000000.parquet", [0, 1]), ("part-000001.parquet", [2])]

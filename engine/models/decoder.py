@@ -60,13 +60,10 @@ class DecoderAttention(nn.Module):
     def forward(self, x, positions, rotary, key_cache, value_cache, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # q_norm / k_norm, then RoPE, in one kernel (the same rounding steps as the modules)
-            q, k = ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                    rotary.cos, rotary.sin, positions)
-        else:
-            q, k = ops.rope(q, k, rotary.cos, rotary.sin, positions)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, key_cache, value_cache, meta))
+        # q_norm / k_norm, then RoPE, in the attention's first kernel (the same rounding steps as the modules)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        return self.o_proj(self.attn(q, k, v, positions, rotary, key_cache, value_cache, meta, qk_norm))
 
 
 class DecoderMLP(nn.Module):

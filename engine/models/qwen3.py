@@ -1,5 +1,6 @@
 """Qwen3 (Qwen3-0.6B ... 32B dense): the decoder with QK-norm, a per-head RMSNorm of q and k before RoPE
-(fused with it in ops.qk_norm_rope); biases on q/k/v/o only when attention_bias is set."""
+(fused with it, and with the cache write, in ops.rope_and_write_kv_cache); biases on q/k/v/o only when
+attention_bias is set."""
 from engine.models.decoder import DecoderArch, DecoderForCausalLM
 
 

@@ -1,6 +1,6 @@
 """Rotary position embeddings: the RoPE a config.json asks for, and its cos/sin tables.
 
-ops.rope and ops.qk_norm_rope apply the tables as x*cos + rotate_half(x)*sin. The inverse frequencies are
+ops.rope_and_write_kv_cache applies the tables as x*cos + rotate_half(x)*sin. The inverse frequencies are
 computed with transformers' operations for the same rope_type, so the float32 tables are theirs bit for bit:
     default  inv_freq[i] = 1 / theta^(2i / head_dim)
     llama3   Llama 3.1+'s long-context scaling of the default: wavelengths 2*pi / inv_freq longer than
