@@ -1,9 +1,9 @@
 """One engine step on the data plane: per-step tensors from a ScheduledBatch, the model call, sampling.
 
 Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
-on CUDA and copied without blocking; every layer reads the same AttentionMetadata. On CUDA, decode-only
-steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode batches above the
-largest graph, run eagerly. With a CascadePolicy, decode rows that share a prefix of blocks take cascade
+on CUDA and copied without blocking (engine/staging.py); every layer reads the same AttentionMetadata. On
+CUDA, decode-only steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode
+batches above the largest graph, run eagerly. With a CascadePolicy, decode rows that share a prefix of blocks take cascade
 attention (engine/prefix_groups.py). Only the last position of each sequence that draws a token gets
 logits, and the prompt positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at
 a time). The samples forked from a sequence in a step draw from its logits row, each with its own seed.
@@ -25,6 +25,7 @@ from engine.prefix_groups import CascadePolicy, find_prefix_groups
 from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, sample, to_host
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import Sequence
+from engine.staging import upload
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
 _SEQ_ID, _COMPUTED, _SAMPLING = attrgetter("seq_id"), attrgetter("num_computed_tokens"), attrgetter("sampling")
@@ -38,15 +39,13 @@ class ModelRunner:
         self.cascade = cascade
         self.cascade_rows = 0  # decode rows of the last prepared step that read a shared prefix
         self.eos_token_ids = tuple(eos_token_ids)  # banned before min_tokens
-        self.pin = device.type == "cuda"
         self.history = TokenHistory(max_blocks_per_seq * block_manager.block_size, device)
         self.graphs = None
         if device.type == "cuda" and max_graph_batch > 0:
             self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device, cascade)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        return tensor.pin_memory().to(self.device, non_blocking=True) if self.pin else tensor
+        return upload(array, self.device)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids [T], positions [T], attention metadata, and the rows whose logits are sampled (the

@@ -24,6 +24,7 @@ import torch
 
 import ops
 from engine.sequence import SamplingParams, Sequence, Status
+from engine.staging import upload
 
 MAX_LOGPROBS = 20  # the largest logprobs / prompt_logprobs k a request may ask for (OpenAI's and vLLM's)
 _MASK32 = 0xFFFFFFFF
@@ -38,12 +39,6 @@ def scores_prompt(seq: Sequence) -> bool:
     """Whether seq still needs logits at its prompt positions (prompt_logprobs asked, not all filled):
     such a sequence must not take blocks from the prefix cache, whose positions are never computed."""
     return seq.sampling.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
-
-
-def upload(array: np.ndarray, device) -> torch.Tensor:
-    """A host array on the device, without waiting for it (pinned staging on CUDA)."""
-    tensor = torch.from_numpy(array)
-    return tensor.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else tensor
 
 
 @dataclass
