@@ -3,9 +3,9 @@
 A decode step copies its inputs into static buffers, pads the batch up to the smallest bucket that
 holds it (padding rows: slot -1, so nothing is written, seq_len 0, so nothing is read, and last in
 decode_order) and replays that bucket's graph. block_tables are as wide as max_model_len needs, so a
-graph never depends on the batch's current lengths. With a CascadePolicy, buckets of at least its min_rows also
-get a cascade graph, for steps whose decode rows share prefixes: its static group buffers hold
-max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
+graph never depends on the batch's current lengths. With a CascadePolicy, buckets of at least its
+min_rows also get a cascade graph, for steps whose decode rows share prefixes: its static group buffers
+hold max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
 prefix 0), and the bucket's padding rows come after every group.
 """
 import torch

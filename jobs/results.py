@@ -240,8 +240,8 @@ def _signals_deferred():
     """SIGINT and SIGTERM are held (not lost) inside the block and raised again when it is left. Held by
     Python handlers that only note them: a signal mask holds them for one thread only, and the kernel hands
     a process's signal to any thread that does not block it (Ray's, pyarrow's), after which Python raises
-    it in the main thread all the same. Off the main thread, where Python cannot set handlers, a plain
-    block."""
+    it in the main thread all the same. Off the main thread a plain block: Python runs its handlers, and so
+    raises KeyboardInterrupt, only in the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
