@@ -26,7 +26,7 @@ from engine.prefix_groups import CascadePolicy, find_prefix_groups
 from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, sample, to_host
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import Sequence
-from engine.staging import upload
+from engine.staging import upload, upload_rows
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
 _SEQ_ID, _COMPUTED, _SAMPLING = attrgetter("seq_id"), attrgetter("num_computed_tokens"), attrgetter("sampling")
@@ -65,10 +65,12 @@ class ModelRunner:
             prefill = PrefillMetadata(self._to_device(tables[n:]), self._to_device(seq_lens[n:]),
                                       self._to_device(cu_seqlens[n:] - n))
         cascade = self._cascade(tables[:n], seq_lens[:n])
-        # over short own contexts (the cascade's suffix pass) the order only cost time: benchmarks/NOTES.md
-        order = None if cascade is not None else self._to_device(longest_first(seq_lens[:n]))
-        meta = AttentionMetadata(self._to_device(batch.slot_mapping), self._to_device(tables[:n]),
-                                 self._to_device(seq_lens[:n]), prefill, cascade, order)
+        if cascade is None:  # plain decode starts its rows longest first; seq_lens and the order in one copy
+            decode_lens, order = upload_rows([seq_lens[:n], longest_first(seq_lens[:n])], self.device)
+        else:  # over short own contexts (the cascade's suffix pass) the order only cost time: benchmarks/NOTES.md
+            decode_lens, order = self._to_device(seq_lens[:n]), None
+        meta = AttentionMetadata(self._to_device(batch.slot_mapping), self._to_device(tables[:n]), decode_lens,
+                                 prefill, cascade, order)
         sampled_rows = self._to_device(cu_seqlens[1:][np.array(batch.draws, dtype=bool)].astype(np.int64) - 1)
         return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, sampled_rows
 
