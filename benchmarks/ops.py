@@ -307,7 +307,7 @@ def main():
         prefill_sweep(mm_tflops)
     elif args.mixed:
         lo, hi = map(int, args.range.split("-"))
-        run_decode_mixed(copy_gbs, [4, 16, 32, 48, 64, 96, 128, 256], lo, hi)
+        run_decode_mixed(copy_gbs, [4, 16, 32, 48, 64, 96, 128, 160, 192, 256], lo, hi)
     elif args.quick:
         run_decode(copy_gbs, [1, 256], [2048, 32768], [16, 128])
         run_prefill(mm_tflops, [(1, 8192)])

@@ -329,8 +329,9 @@ DECODE_CFG = {
 }
 SPLIT_MIN_TOKENS = 128      # never cut a sequence into pieces shorter than this (on average)
 SPLIT_TARGET_WAVES = 2      # split until the GPU has this many programs per SM (it is full) ...
-BALANCE_WAVES = 8           # ... and, up to BALANCE_MAX_SPLITS, until it has this many: over contexts of
-BALANCE_MAX_SPLITS = 8      # mixed lengths the longest leave a wave's tail (benchmarks/NOTES.md, version 17)
+BALANCE_WAVES = 4           # ... and, up to BALANCE_MAX_SPLITS, until it has this many: over contexts of
+BALANCE_MAX_SPLITS = 8      # mixed lengths the longest leave a wave's tail (benchmarks/NOTES.md, versions
+                            # 17 and 22: with the rows longest first 4 waves suffice, not 8)
 SPLIT_MAX = 64
 REDUCE_TILE_ELEMENTS = 16384  # partial-output elements one merge program holds (64 per thread at 8 warps)
 
@@ -408,7 +409,8 @@ def launch_reduce(partials, out, num_slots, ctx_start=None, num_prefix_slots=0):
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                           max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, row_order=None):
+                           max_seq_len: Optional[int] = None, num_splits: Optional[int] = None, row_order=None,
+                           out=None):
     """max_seq_len: optional CPU-side bound of seq_lens; it only sizes the split-KV grid (results are
     right whatever its value, since each split's range is computed in the kernel from seq_len).
     num_splits: force the number of KV partitions (tests, benchmarks); None picks it from shapes.
@@ -416,7 +418,7 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, sc
     first shortens the last wave over mixed lengths); results do not depend on it."""
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
     max_ctx = block_tables.shape[1] * bs
@@ -530,12 +532,12 @@ def query_tile(cfg, G, max_rows, on_gpu):
 
 
 def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                            max_seqlen_q: Optional[int] = None):
+                            max_seqlen_q: Optional[int] = None, out=None):
     """max_seqlen_q: optional CPU-side upper bound of the query lengths; only picks a smaller query
     tile for short chunks. Without it the kernel still needs no host synchronisation."""
     T, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     B = seq_lens.shape[0]
     if T == 0 or B == 0:
         return out

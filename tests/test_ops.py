@@ -247,10 +247,12 @@ def test_decode_split_heuristic_and_hint(gen):
     assert paged_attention.decode_num_splits(256, 8, 2048, dev) == 1
     assert paged_attention.decode_num_splits(1, 8, 32768, dev) > 1
     assert paged_attention.decode_num_splits(1, 8, 100, dev) == 1
-    # 48 rows x 8 kv heads = 384 programs on 132 SMs fill the GPU (>= 2 waves), but for balance over mixed
-    # lengths split until 8 waves: ceil(1056 / 384) = 3 -> 4; cascade's suffix pass (balance=False) does not
-    assert paged_attention.decode_num_splits(48, 8, 4096, dev) == 4
-    assert paged_attention.decode_num_splits(48, 8, 4096, dev, balance=False) == 1
+    # 32 rows x 8 kv heads = 256 programs on 132 SMs: ceil(264 / 256) = 2 splits fill the GPU (2 waves), and
+    # for balance over mixed lengths split until 4 waves: ceil(528 / 256) = 3 -> 4; cascade's suffix pass
+    # (balance=False) stops at 2
+    assert paged_attention.decode_num_splits(32, 8, 4096, dev) == 4
+    assert paged_attention.decode_num_splits(32, 8, 4096, dev, balance=False) == 2
+    assert paged_attention.decode_num_splits(128, 8, 4096, dev) == 1  # 1024 programs: more than 4 waves
     assert paged_attention.decode_num_splits(16, 8, 4096, dev) == paged_attention.BALANCE_MAX_SPLITS
     dtype = torch.float32
     args = decode_inputs((8, 4, 2, 64, [700]), dtype, gen)
@@ -293,6 +295,45 @@ def test_paged_attention_prefill(backend, dtype, case, gen, nan_outputs):
     out = ops.paged_attention_prefill(*args, backend=backend)
     assert out.shape == args[0].shape and out.dtype == dtype
     check(out, ref, dtype, gen, f"prefill {backend}")
+
+
+def rows_of_a_larger_buffer(q, lead):
+    """A NaN buffer with `lead` rows before and one after q's rows; returns (buffer, the view for q)."""
+    buf = torch.full((lead + q.shape[0] + 1, *q.shape[1:]), NAN, dtype=q.dtype, device=q.device)
+    return buf, buf[lead:lead + q.shape[0]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,num_splits", [("decode", None), ("decode", 3), ("prefill", None)])
+def test_attention_into_out(backend, op, num_splits, gen, nan_outputs):
+    """out=: the op writes its result into the given view (rows of a larger tensor, as a mixed step's
+    decode and prefill rows share one output) and returns it; the buffer's other rows stay untouched."""
+    from ops import paged_attention
+
+    dtype = torch.float32
+    if op == "decode":
+        args = decode_inputs((16, 8, 2, 64, [1, 17, 400, 33]), dtype, gen)
+        ref = decode_oracle(*args)
+        kwargs = {"num_splits": num_splits} if backend == "triton" else {}
+        run = paged_attention.paged_attention_decode if backend == "triton" else ops.paged_attention_decode
+    else:
+        args = prefill_inputs((16, 8, 2, 64, [(40, 40), (77, 5), (300, 130)]), dtype, gen)
+        ref = oracle(*args)
+        kwargs = {}
+        run = ops.paged_attention_prefill
+    if backend == "torch":
+        kwargs["backend"] = "torch"
+    buf, view = rows_of_a_larger_buffer(args[0], 3)
+    out = run(*args, out=view, **kwargs)
+    assert out.data_ptr() == view.data_ptr()
+    check(out, ref, dtype, gen, f"{op} into out, {backend}")
+    assert buf[:3].isnan().all() and buf[-1].isnan().all()
+
+
+def test_attention_out_must_match_q(gen):
+    args = decode_inputs((16, 8, 2, 64, [1, 17]), torch.float32, gen)
+    with pytest.raises(ValueError, match="out must match q"):
+        ops.paged_attention_decode(*args, out=torch.empty(3, 8, 64, device=DEVICE))
 
 
 def test_prefill_max_seqlen_q_hint(gen, nan_outputs):
