@@ -71,25 +71,23 @@ class PagedAttention(nn.Module):
         cos/sin tables; qk_norm: (q_weight, k_weight, eps) of a per-head RMSNorm before RoPE, or None."""
         q = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache,
                                         meta.slot_mapping, qk_norm=qk_norm)
+        out = torch.empty_like(q)  # the decode rows' kernels write its first rows, the prefill kernel the rest
         n = meta.num_decode_seqs
-        if meta.prefill is None:
-            out = self._decode(q, key_cache, value_cache, meta)
-        elif n == 0:
-            out = self._prefill(q, key_cache, value_cache, meta.prefill)
-        else:
-            out = torch.cat([self._decode(q[:n], key_cache, value_cache, meta),
-                             self._prefill(q[n:], key_cache, value_cache, meta.prefill)])
+        if n:
+            self._decode(q[:n], key_cache, value_cache, meta, out[:n])
+        if meta.prefill is not None:
+            self._prefill(q[n:], key_cache, value_cache, meta.prefill, out[n:])
         return out.flatten(1)
 
-    def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata):
+    def _decode(self, q, key_cache, value_cache, meta: AttentionMetadata, out):
         if meta.cascade is None:
-            return ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                              row_order=meta.decode_order)
-        # no max_group_rows hint: a row tile per group size would be one more kernel to compile mid-run
-        return ops.cascade_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                            meta.cascade.cu_group_rows, meta.cascade.group_prefix_lens)
+            ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                       row_order=meta.decode_order, out=out)
+        else:  # no max_group_rows hint: a row tile per group size would be one more kernel to compile mid-run
+            ops.cascade_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
+                                         meta.cascade.cu_group_rows, meta.cascade.group_prefix_lens, out=out)
 
-    def _prefill(self, q, key_cache, value_cache, chunks: PrefillMetadata):
+    def _prefill(self, q, key_cache, value_cache, chunks: PrefillMetadata, out):
         # no max_seqlen_q hint: a tile size per chunk length would be one more kernel to compile mid-run
-        return ops.paged_attention_prefill(q, key_cache, value_cache, chunks.block_tables, chunks.cu_seqlens_q,
-                                           chunks.seq_lens, self.scale)
+        ops.paged_attention_prefill(q, key_cache, value_cache, chunks.block_tables, chunks.cu_seqlens_q,
+                                    chunks.seq_lens, self.scale, out=out)

@@ -30,21 +30,31 @@ def _pick(backend, tensor, family: str):
     return importlib.import_module(f"ops.{family}" if _use_triton(backend, tensor) else f"ops.{family}_reference")
 
 
+def _checked_out(out, q):
+    """An attention op's out: None, or a tensor of q's shape, dtype and device (a view is fine)."""
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must match q: got {tuple(out.shape)} {out.dtype} on {out.device}, "
+                         f"q is {tuple(q.shape)} {q.dtype} on {q.device}")
+    return out
+
+
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=None):
     return _pick(backend, key, "paged_attention").write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, backend=None, *,
-                           max_seq_len=None, row_order=None):
+                           max_seq_len=None, row_order=None, out=None):
     """max_seq_len (optional): a CPU-side bound of seq_lens; the Triton backend uses it only to size its
     split-KV grid (results are right for any value). row_order (optional): an int32 [B] permutation of
-    the rows, the order in which the Triton kernel starts them (the engine's: longest first)."""
+    the rows, the order in which the Triton kernel starts them (the engine's: longest first). out
+    (optional, as in every attention op): a tensor shaped as q that receives the result (returned)."""
     return _pick(backend, q, "paged_attention").paged_attention_decode(
-        q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, row_order=row_order)
+        q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len, row_order=row_order,
+        out=_checked_out(out, q))
 
 
 def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
-                             group_prefix_lens, backend=None, *, max_group_rows=None):
+                             group_prefix_lens, backend=None, *, max_group_rows=None, out=None):
     """paged_attention_decode for rows in groups that share a prefix: rows cu_group_rows[g]:
     cu_group_rows[g+1] (int32 [G+1], from 0, nondecreasing, at most B; later rows share nothing) share
     their first group_prefix_lens[g] (int32 [G], <= each member's seq_len) tokens, in the same physical
@@ -58,15 +68,16 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
                          f"and {group_prefix_lens.dtype}")
     impl = importlib.import_module("ops.cascade") if _use_triton(backend, q) else paged_attention_reference
     return impl.cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
-                                         group_prefix_lens, max_group_rows=max_group_rows)
+                                         group_prefix_lens, max_group_rows=max_group_rows, out=_checked_out(out, q))
 
 
 def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, backend=None, *,
-                            max_seqlen_q=None):
+                            max_seqlen_q=None, out=None):
     """max_seqlen_q (optional): a CPU-side bound of the query lengths; the Triton backend uses it to pick a
     smaller query tile for short chunks (it never needs it, and never synchronises with the device)."""
     return _pick(backend, q, "paged_attention").paged_attention_prefill(
-        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=max_seqlen_q)
+        q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=max_seqlen_q,
+        out=_checked_out(out, q))
 
 
 def rms_norm(x, weight, eps, backend=None):

@@ -106,16 +106,16 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
 
 def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
                              group_prefix_lens, max_group_rows: Optional[int] = None,
-                             num_chunks: Optional[int] = None, num_splits: Optional[int] = None):
+                             num_chunks: Optional[int] = None, num_splits: Optional[int] = None, out=None):
     """max_group_rows: optional CPU-side bound of the rows per group; only picks a smaller row tile.
     num_chunks / num_splits: force the partition counts of the prefix / suffix passes (tests,
     benchmarks); None picks them from shapes."""
     if group_prefix_lens.shape[0] == 0:  # no groups (a shape): plain decode, at no extra cost
         return paged_attention.paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
-                                                      num_splits=num_splits)
+                                                      num_splits=num_splits, out=out)
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
     cfg = paged_attention.prefill_cfg(q, key_cache)

@@ -5,6 +5,7 @@ Shapes (int32 metadata; a slot of -1 is skipped):
     key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
     write_kv_cache(key[T,Hkv,D], value[T,Hkv,D], key_cache, value_cache, slot_mapping[T])
     paged_attention_decode(q[B,Hq,D], ..., block_tables[B,M], seq_lens[B], scale) -> [B,Hq,D]
+        (each attention op takes an optional out=, a tensor shaped as q, and writes into it and returns it)
     paged_attention_prefill(q[T,Hq,D], ..., block_tables[B,M], cu_seqlens_q[B+1], seq_lens[B], scale)
         -> [T,Hq,D]; query i of sequence b sits at position seq_lens[b] - len_q(b) + i (causal).
     cascade_attention_decode(q[B,Hq,D], ..., block_tables[B,M], seq_lens[B], scale,
@@ -70,9 +71,10 @@ def merge_attention(o1, lse1, o2, lse2):
     return (lse1[..., None] - safe).exp() * o1 + (lse2[..., None] - safe).exp() * o2
 
 
-def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None):
+def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_seqlen_q=None,
+                            out=None):
     """max_seqlen_q: a tiling hint for the Triton version, not needed here."""
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     bounds, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         start, end = bounds[b], bounds[b + 1]
@@ -83,10 +85,10 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len=None,
-                           row_order=None):
+                           row_order=None, out=None):
     """max_seq_len and row_order: grid-sizing and scheduling hints for the Triton version, not needed here."""
     cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    return paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, out=out)
 
 
 def check_cascade_groups(block_tables, seq_lens, cu_group_rows, group_prefix_lens, block_size):
@@ -116,11 +118,11 @@ def check_cascade_groups(block_tables, seq_lens, cu_group_rows, group_prefix_len
 
 
 def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
-                             group_prefix_lens, max_group_rows=None):
+                             group_prefix_lens, max_group_rows=None, out=None):
     """max_group_rows: a tiling hint for the Triton version, not needed here."""
     bounds, prefixes = check_cascade_groups(block_tables, seq_lens, cu_group_rows, group_prefix_lens,
                                             key_cache.shape[2])
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for g, prefix in enumerate(prefixes):
         rows = slice(bounds[g], bounds[g + 1])
         if rows.start == rows.stop:
@@ -135,5 +137,5 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
             own = attend_with_lse(q[row:row + 1], k, v, scale)
             out[row] = merge_attention(shared[0][i], shared[1][i], own[0][0], own[1][0]).to(q.dtype)
     rest = slice(bounds[-1], q.shape[0])
-    out[rest] = paged_attention_decode(q[rest], key_cache, value_cache, block_tables[rest], seq_lens[rest], scale)
+    paged_attention_decode(q[rest], key_cache, value_cache, block_tables[rest], seq_lens[rest], scale, out=out[rest])
     return out

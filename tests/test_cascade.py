@@ -13,7 +13,7 @@ import torch
 
 import ops
 from test_ops import (  # noqa: F401  (gen, nan_outputs: fixtures)
-    DEVICE, DTYPES, NAN, ON_GPU, cdiv, check, decode_oracle, gen, nan_outputs,
+    DEVICE, DTYPES, NAN, ON_GPU, cdiv, check, decode_oracle, gen, nan_outputs, rows_of_a_larger_buffer,
 )
 
 BACKENDS = ["triton", "torch"]
@@ -102,6 +102,22 @@ def test_cascade_equals_decode(backend, dtype, case, gen, nan_buffers):
     out = ops.cascade_attention_decode(*args, *groups, backend=backend)
     assert out.shape == args[0].shape and out.dtype == dtype
     check(out, ref, dtype, gen, f"cascade {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_groups", [True, False])
+def test_cascade_into_out(backend, with_groups, gen, nan_buffers):
+    """out=: the result lands in the given view (rows of a larger tensor), with groups and without (the
+    plain path), and the buffer's other rows stay untouched."""
+    dtype = torch.float32
+    args, groups = cascade_inputs(CASES[0], dtype, gen)
+    if not with_groups:
+        groups = (torch.zeros(1, dtype=torch.int32, device=DEVICE), torch.zeros(0, dtype=torch.int32, device=DEVICE))
+    buf, view = rows_of_a_larger_buffer(args[0], 2)
+    out = ops.cascade_attention_decode(*args, *groups, backend=backend, out=view)
+    assert out.data_ptr() == view.data_ptr()
+    check(out, decode_oracle(*args), dtype, gen, f"cascade into out, {backend}")
+    assert buf[:2].isnan().all() and buf[-1].isnan().all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
