@@ -4,7 +4,8 @@ sending decode rows and prefill rows to their kernels.
 
 A step's rows are ordered decode first: sequences 0 .. num_decode_seqs - 1 have one query token each
 (rows 0 .. num_decode_seqs - 1), the prefill chunks of the other sequences follow. A decode-only step is
-what the CUDA graphs capture. Decode rows in groups that share a prefix of blocks (engine/prefix_groups.py)
+what the decode CUDA graphs capture; the per-layer graphs of steps with prompt chunks hold every
+layer's write but never attend (engine/cuda_graphs.py). Decode rows in groups that share a prefix of blocks (engine/prefix_groups.py)
 take cascade attention, which reads each group's prefix once; a step without groups takes the plain path.
 The model file only computes q, k and v and owns the rotary tables and norms; everything about the cache
 and the batch's layout lives here.
@@ -61,17 +62,24 @@ class AttentionMetadata:
 
 
 class PagedAttention(nn.Module):
+    """A layer's attention in two parts: write (what depends only on the step's tokens, so a CUDA graph of
+    a token count can hold it) and attend (what depends on the step's sequences: lengths, blocks, groups).
+    Their composition maps q [T, Hq, D], k and v [T, Hkv, D], before RoPE, to the output [T, Hq * D]."""
+
     def __init__(self, scale: float):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q, k, v, positions, rotary, key_cache, value_cache, meta: AttentionMetadata,
-                qk_norm=None) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D], before RoPE -> attention output [T, Hq * D]. rotary: the
-        cos/sin tables; qk_norm: (q_weight, k_weight, eps) of a per-head RMSNorm before RoPE, or None."""
-        q = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache,
-                                        meta.slot_mapping, qk_norm=qk_norm)
-        out = torch.empty_like(q)  # the decode rows' kernels write its first rows, the prefill kernel the rest
+    @staticmethod
+    def write(q, k, v, positions, rotary, key_cache, value_cache, slot_mapping, qk_norm=None, out=None):
+        """RoPE of q and k with rotary's cos/sin tables, after the per-head RMSNorm qk_norm = (q_weight,
+        k_weight, eps) when given; the step's K/V into the cache -> the rotated q (into out when given)."""
+        return ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache,
+                                           slot_mapping, qk_norm=qk_norm, out=out)
+
+    def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, out=None) -> torch.Tensor:
+        """Rotated q [T, Hq, D] -> attention output [T, Hq * D] (a view of out [T, Hq, D] when given)."""
+        out = torch.empty_like(q) if out is None else out  # decode rows' kernels write its first rows, prefill the rest
         n = meta.num_decode_seqs
         if n:
             self._decode(q[:n], key_cache, value_cache, meta, out[:n])

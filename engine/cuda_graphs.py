@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode forward, one per batch-size bucket, sharing one memory pool.
+"""CUDA graphs: of the decode forward, one per batch-size bucket (DecodeGraphs), and of the forward of a
+step with prompt chunks, cut at its attention calls (PiecewiseGraphs).
 
 A decode step copies its inputs into static buffers, pads the batch up to the smallest bucket that
 holds it (padding rows: slot -1, so nothing is written, seq_len 0, so nothing is read, and last in
@@ -7,6 +8,13 @@ graph never depends on the batch's current lengths. With a CascadePolicy, bucket
 min_rows also get a cascade graph, for steps whose decode rows share prefixes: its static group buffers
 hold max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
 prefix 0), and the bucket's padding rows come after every group.
+
+A step with prompt chunks has lengths, chunks and groups of its own, so its attention (the kernels'
+grids and metadata) cannot be a graph's; everything else in it depends only on its token count. Its
+forward is cut into num_layers + 1 pieces at the attention calls, each piece a graph per token-count
+bucket, and the step replays piece 0, runs layer 0's attention eagerly, replays piece 1, and so on: ~10
+launches a layer become ~3. The tokens past the step's own, up to the bucket, are padding (token 0,
+position 0, slot -1): rows are independent outside attention, and attention never reads them.
 """
 import torch
 
@@ -91,3 +99,102 @@ class DecodeGraphs:
             copy_groups(self.groups, meta.cascade)
         self.graphs[key].replay()
         return self.outputs[key][:batch]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts with a piecewise graph: the powers of two up to 128, then every multiple of 256."""
+    sizes = [t for t in (16, 32, 64, 128) if t < max_tokens] + list(range(256, max_tokens, 256))
+    return sizes + [max_tokens]
+
+
+class PiecewiseGraphs:
+    """The forward of steps with prompt chunks of up to max_tokens tokens, as graphs of the pieces between
+    attention calls (see the module's docstring). Static buffers, sliced to a bucket's first rows: the
+    inputs [max_tokens], the rotated q and the attention output [max_tokens, Hq, D] (shared by every layer:
+    a layer's attention reads q and writes its output between two pieces) and the final hidden states.
+    The residual stream passes from one piece to the next in the graphs' pool; pieces are captured and
+    replayed in the same order, so the pool's reuse during capture is right during replay. capture=False
+    runs the same pieces eagerly (the CPU, where there are no graphs: the tests check the cut there)."""
+
+    @torch.inference_mode()
+    def __init__(self, model, kv_cache, max_tokens: int, device, capture: bool = True):
+        self.model, self.kv_cache = model, kv_cache
+        arch = model.arch
+        self.buckets = token_buckets(max_tokens)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        dtype = model.lm_head.weight.dtype
+        self.q = torch.zeros(max_tokens, arch.num_attention_heads, arch.head_dim, dtype=dtype, device=device)
+        self.attn_out = torch.zeros_like(self.q)
+        self.hidden = torch.zeros(max_tokens, arch.hidden_size, dtype=dtype, device=device)
+        self.residual = None  # the residual stream between two pieces
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] | None = None
+        if capture:
+            self.graphs, pool = {}, None
+            for size in reversed(self.buckets):  # largest first, so the smaller ones reuse its pool
+                self.graphs[size], pool = self._capture(size, pool)
+            torch.cuda.synchronize()
+
+    def _capture(self, size: int, pool) -> tuple[list, object]:
+        """The pieces' graphs at one bucket, in the pool (None: a new one) -> (graphs, the pool)."""
+        for piece in range(self.num_pieces):  # warm-up: compiles kernels, sizes the allocator outside the capture
+            self._piece(piece, size)
+        graphs = []
+        for piece in range(self.num_pieces):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._piece(piece, size)
+            pool = pool or graph.pool()
+            graphs.append(graph)
+        return graphs, pool
+
+    @property
+    def num_pieces(self) -> int:
+        return self.model.arch.num_hidden_layers + 1
+
+    def _piece(self, piece: int, size: int) -> None:
+        """Piece i of a forward over the buffers' first `size` rows: layer i - 1 after its attention
+        (none for i = 0: the embedding), then layer i up to its attention (for the last piece: the final
+        norm into self.hidden)."""
+        decoder = self.model.model
+        if piece == 0:
+            x, residual = decoder.embed_tokens(self.input_ids[:size]), None
+        else:
+            x, residual = decoder.layers[piece - 1].after_attention(self.attn_out[:size].flatten(1), self.residual)
+        if piece == len(decoder.layers):
+            self.hidden[:size].copy_(decoder.final_norm(x, residual))
+            self.residual = None
+            return
+        caches = self.kv_cache.key_caches[piece], self.kv_cache.value_caches[piece]
+        _, self.residual = decoder.layers[piece].before_attention(
+            x, residual, self.positions[:size], decoder.rotary, *caches, self.slot_mapping[:size], q_out=self.q[:size])
+
+    def _bucket(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def fits(self, num_tokens: int) -> bool:
+        return self._bucket(num_tokens) is not None
+
+    @torch.inference_mode()
+    def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden] of a step of T <= max_tokens tokens (a view of a static buffer,
+        valid until the next run)."""
+        num_tokens = input_ids.shape[0]
+        size = self._bucket(num_tokens)
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.input_ids[num_tokens:size].zero_()
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.positions[num_tokens:size].zero_()
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[num_tokens:size].fill_(-1)
+        layers, q, out = self.model.model.layers, self.q[:num_tokens], self.attn_out[:num_tokens]
+        for piece in range(self.num_pieces):
+            if self.graphs is None:
+                self._piece(piece, size)
+            else:
+                self.graphs[size][piece].replay()
+            if piece < len(layers):
+                caches = self.kv_cache.key_caches[piece], self.kv_cache.value_caches[piece]
+                layers[piece].self_attn.attn.attend(q, *caches, meta, out=out)
+        return self.hidden[:num_tokens]

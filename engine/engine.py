@@ -85,8 +85,9 @@ class LLMEngine:
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
+        piece_tokens = max_num_batched_tokens if cfg.model.piecewise_graphs and not cfg.model.enforce_eager else 0
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
-                                  self.eos_token_ids, cascade)
+                                  self.eos_token_ids, cascade, piece_tokens)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
         self._in_flight: InFlight | None = None

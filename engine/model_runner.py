@@ -2,8 +2,9 @@
 
 Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
 on CUDA and copied without blocking (engine/staging.py); every layer reads the same AttentionMetadata. On
-CUDA, decode-only steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks, and decode
-batches above the largest graph, run eagerly. With a CascadePolicy, decode rows that share a prefix of
+CUDA, decode-only steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks run eagerly, or
+with model.piecewise_graphs as graphs of the pieces between attention calls; decode batches above the largest
+graph run eagerly. With a CascadePolicy, decode rows that share a prefix of
 blocks take cascade attention (engine/prefix_groups.py); a step without such groups starts its decode rows
 longest first. Only the last position of each sequence that draws a token gets logits, and the prompt
 positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The samples
@@ -19,7 +20,7 @@ import torch
 import ops
 from engine.attention import AttentionMetadata, CascadeMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager, new_token_positions
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
 from engine.prefix_groups import CascadePolicy, find_prefix_groups
@@ -35,7 +36,7 @@ _SEQ_ID, _COMPUTED, _SAMPLING = attrgetter("seq_id"), attrgetter("num_computed_t
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
                  device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0, eos_token_ids=(),
-                 cascade: CascadePolicy | None = None):
+                 cascade: CascadePolicy | None = None, max_piece_tokens: int = 0):
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
         self.cascade = cascade
         self.cascade_rows = 0  # decode rows of the last prepared step that read a shared prefix
@@ -44,6 +45,9 @@ class ModelRunner:
         self.graphs = None
         if device.type == "cuda" and max_graph_batch > 0:
             self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device, cascade)
+        self.pieces = None  # steps with prompt chunks: graphs of the pieces around attention (eager pieces on CPU)
+        if max_piece_tokens > 0:
+            self.pieces = PiecewiseGraphs(model, kv_cache, max_piece_tokens, device, capture=device.type == "cuda")
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return upload(array, self.device)
@@ -85,9 +89,11 @@ class ModelRunner:
         return CascadeMetadata(self._to_device(groups.cu_group_rows), self._to_device(groups.group_prefix_lens))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        if (meta.prefill is None and self.graphs is not None
-                and self.graphs.fits(input_ids.shape[0], meta.cascade is not None)):
-            return self.graphs.run(input_ids, positions, meta)
+        if meta.prefill is None:
+            if self.graphs is not None and self.graphs.fits(input_ids.shape[0], meta.cascade is not None):
+                return self.graphs.run(input_ids, positions, meta)
+        elif self.pieces is not None and self.pieces.fits(input_ids.shape[0]):
+            return self.pieces.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()

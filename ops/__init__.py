@@ -91,13 +91,16 @@ def fused_add_rms_norm(x, residual, weight, eps, backend=None):
 
 
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, backend=None, *,
-                            qk_norm=None):
+                            qk_norm=None, out=None):
     """q [T, Hq, D], k and v [T, Hkv, D]: RoPE of q and k with the float32 tables cos/sin [max_pos, D] at
     positions [T], after the per-head RMSNorm over D of each when qk_norm = (q_weight [D], k_weight [D],
     eps) is given (Qwen3's QK-norm); the rotated k and v go to the cache through slot_mapping
-    (write_kv_cache's contract) -> the rotated q (a new contiguous tensor). One kernel on CUDA."""
+    (write_kv_cache's contract) -> the rotated q: a new contiguous tensor, or out (a contiguous tensor
+    shaped as q) when given. One kernel on CUDA."""
+    if out is not None and not out.is_contiguous():
+        raise ValueError("out must be contiguous")
     return _pick(backend, q, "fused").rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache,
-                                                              slot_mapping, qk_norm)
+                                                              slot_mapping, qk_norm, out=_checked_out(out, q))
 
 
 def silu_and_mul(x, backend=None):

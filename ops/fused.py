@@ -155,8 +155,9 @@ def _rope_kernel(
         tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None):
-    """qk_norm: None for RoPE alone, else (q_weight, k_weight, eps) of the QK-norm before it."""
+def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None, out=None):
+    """qk_norm: None for RoPE alone, else (q_weight, k_weight, eps) of the QK-norm before it; out: where the
+    rotated q goes (None: a new tensor)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and k.shape[2] == D and cos.shape[1] == D and sin.stride() == cos.stride()
@@ -164,7 +165,7 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
         q_weight, k_weight, eps = qk_norm[0].contiguous(), qk_norm[1].contiguous(), qk_norm[2]
     else:
         q_weight, k_weight, eps = q, k, 0.0  # unused (NORM=False)
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if T == 0:
         return q_out
     block_d = triton.next_power_of_2(D)

@@ -179,6 +179,27 @@ def test_rope_and_write_kv_cache(gen, backend, dtype, T, Hq, Hkv, D, qk_norm):
     check_unfused(k_out, k_unfused[at], backend, dtype, gen, "k")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_into_out(gen, backend):
+    """out=: the rotated q goes into the given rows of a larger buffer (as the per-layer CUDA graphs keep
+    one q buffer for every layer), the same values as a new tensor; the buffer's other rows stay NaN."""
+    T, Hq, Hkv, D, block_size = 5, 4, 2, 64, 4
+    rotary = RotaryEmbedding(D, Rope(1e6), 64).to(DEVICE)
+    q, k, v = randn(gen, T, Hq, D), randn(gen, T, Hkv, D), randn(gen, T, Hkv, D)
+    positions = torch.randint(0, 64, (T,), generator=gen).to(DEVICE)
+    slots = torch.arange(T, dtype=torch.int32, device=DEVICE)
+    caches = [torch.zeros(T, Hkv, block_size, D, device=DEVICE) for _ in range(2)]
+    plain = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, *caches, slots, backend=backend)
+    buf = torch.full((T + 3, Hq, D), NAN, device=DEVICE)
+    out = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, *caches, slots, backend=backend,
+                                      out=buf[1:T + 1])
+    assert out.data_ptr() == buf[1].data_ptr() and torch.equal(out, plain)
+    assert buf[0].isnan().all() and buf[T + 1:].isnan().all()
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, *caches, slots, backend=backend,
+                                    out=torch.empty(2 * T, Hq, D, device=DEVICE)[::2])
+
+
 # --- silu_and_mul --------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 import ops
-from engine.attention import AttentionMetadata, PagedAttention
+from engine.attention import PagedAttention
 from engine.config import ConfigError
 from engine.kv_cache import KVCacheSpec
 from engine.models.layers import PackedLinear, RMSNorm
@@ -57,13 +57,15 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, key_cache, value_cache, meta: AttentionMetadata):
+    def rotated_q(self, x, positions, rotary, key_cache, value_cache, slot_mapping, out=None):
+        """The projections, then (in one kernel) the QK-norm, RoPE and the step's K/V into the cache ->
+        the rotated q [T, Hq, D] (into out when given)."""
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         # q_norm / k_norm, then RoPE, in the attention's first kernel (the same rounding steps as the modules)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-        return self.o_proj(self.attn(q, k, v, positions, rotary, key_cache, value_cache, meta, qk_norm))
+        return self.attn.write(q, k, v, positions, rotary, key_cache, value_cache, slot_mapping, qk_norm, out)
 
 
 class DecoderMLP(nn.Module):
@@ -87,12 +89,20 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rotary, key_cache, value_cache, meta):
         """(x, residual) -> (mlp_out, residual): the residual stream is x + residual (None in the first
         layer), added in the next norm's kernel; the caller adds the last mlp_out in the final norm."""
+        q, residual = self.before_attention(x, residual, positions, rotary, key_cache, value_cache, meta.slot_mapping)
+        return self.after_attention(self.self_attn.attn.attend(q, key_cache, value_cache, meta), residual)
+
+    def before_attention(self, x, residual, positions, rotary, key_cache, value_cache, slot_mapping, q_out=None):
+        """-> (rotated q, residual): everything before attention proper, which needs only the step's tokens."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rotary, key_cache, value_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return self.self_attn.rotated_q(x, positions, rotary, key_cache, value_cache, slot_mapping, q_out), residual
+
+    def after_attention(self, attn_out, residual):
+        """attention output [T, Hq * D] -> (mlp_out, residual)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(x), residual
 
 
@@ -108,6 +118,9 @@ class DecoderModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
             x, residual = layer(x, residual, positions, self.rotary, key_cache, value_cache, meta)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x, residual):
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
