@@ -4,9 +4,10 @@ sending decode rows and prefill rows to their kernels.
 
 A step's rows are ordered decode first: sequences 0 .. num_decode_seqs - 1 have one query token each
 (rows 0 .. num_decode_seqs - 1), the prefill chunks of the other sequences follow. A decode-only step is
-what the decode CUDA graphs capture; the per-layer graphs of steps with prompt chunks hold every
-layer's write but never attend (engine/cuda_graphs.py). Decode rows in groups that share a prefix of blocks (engine/prefix_groups.py)
-take cascade attention, which reads each group's prefix once; a step without groups takes the plain path.
+what the decode CUDA graphs capture; the per-layer graphs of steps with prompt chunks hold every layer's
+write but never its attend (engine/cuda_graphs.py). Decode rows in groups that share a prefix of blocks
+(engine/prefix_groups.py) take cascade attention, which reads each group's prefix once; a step without
+groups takes the plain path.
 The model file only computes q, k and v and owns the rotary tables and norms; everything about the cache
 and the batch's layout lives here.
 """

@@ -101,10 +101,15 @@ class DecodeGraphs:
         return self.outputs[key][:batch]
 
 
+PIECE_BUCKETS = 64  # at most about this many multiples of the step, so that capture time stays bounded
+
+
 def token_buckets(max_tokens: int) -> list[int]:
-    """Token counts with a piecewise graph: the powers of two up to 128, then every multiple of 256."""
-    sizes = [t for t in (16, 32, 64, 128) if t < max_tokens] + list(range(256, max_tokens, 256))
-    return sizes + [max_tokens]
+    """Token counts with a piecewise graph: the powers of two from 16 below a step, then every multiple of
+    the step (256, or the power of two that keeps the multiples to PIECE_BUCKETS), then max_tokens."""
+    step = max(256, 1 << (-(-max_tokens // PIECE_BUCKETS) - 1).bit_length())
+    small = [1 << k for k in range(4, step.bit_length() - 1)]
+    return [t for t in small + list(range(step, max_tokens, step)) if t < max_tokens] + [max_tokens]
 
 
 class PiecewiseGraphs:

@@ -2,13 +2,13 @@
 
 Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
 on CUDA and copied without blocking (engine/staging.py); every layer reads the same AttentionMetadata. On
-CUDA, decode-only steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks run eagerly, or
-with model.piecewise_graphs as graphs of the pieces between attention calls; decode batches above the largest
-graph run eagerly. With a CascadePolicy, decode rows that share a prefix of
-blocks take cascade attention (engine/prefix_groups.py); a step without such groups starts its decode rows
-longest first. Only the last position of each sequence that draws a token gets logits, and the prompt
-positions of the chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The samples
-forked from a sequence in a step draw from its logits row, each with its own seed.
+CUDA, decode-only steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks run eagerly,
+or with model.piecewise_graphs as graphs of the pieces between attention calls; decode batches above the
+largest graph run eagerly. With a CascadePolicy, decode rows that share a prefix of blocks take cascade
+attention (engine/prefix_groups.py); a step without such groups starts its decode rows longest first.
+Only the last position of each sequence that draws a token gets logits, and the prompt positions of the
+chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The samples forked from a
+sequence in a step draw from its logits row, each with its own seed.
 """
 from dataclasses import dataclass
 from itertools import compress, repeat

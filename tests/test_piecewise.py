@@ -24,6 +24,9 @@ def test_token_buckets():
     assert token_buckets(100) == [16, 32, 64, 100]
     assert token_buckets(16384)[3:6] == [128, 256, 512] and token_buckets(16384)[-2:] == [16128, 16384]
     assert len(token_buckets(16384)) == 4 + 16384 // 256
+    # 65,536 / 64 = 1,024: powers of two up to 512, then multiples of 1,024
+    assert token_buckets(65536)[:8] == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert token_buckets(65536)[-1] == 65536 and len(token_buckets(65536)) == 6 + 63 + 1
 
 
 def step_inputs(manager, tokens, seq_ids, counts, num_decode):
