@@ -155,7 +155,8 @@ def _rope_kernel(
         tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None, out=None):
+def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None,
+                            out=None):
     """qk_norm: None for RoPE alone, else (q_weight, k_weight, eps) of the QK-norm before it; out: where the
     rotated q goes (None: a new tensor)."""
     T, Hq, D = q.shape

@@ -41,7 +41,8 @@ def rope(q, k, cos, sin, positions):
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None, out=None):
+def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None,
+                            out=None):
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)

@@ -65,9 +65,10 @@ def test_pieces_equal_the_forward(make_config):
             ids, positions, meta = step_inputs(plain_manager, tokens, seq_ids, counts, num_decode)
             want = model(ids, positions, plain_cache, meta)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            for layer in range(len(cache.key_caches)):  # padding rows write nothing (slot -1)
-                torch.testing.assert_close(cache.key_caches[layer], plain_cache.key_caches[layer], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(cache.value_caches[layer], plain_cache.value_caches[layer], rtol=1e-5, atol=1e-5)
+            for got_cache, want_cache in ((cache.key_caches, plain_cache.key_caches),
+                                          (cache.value_caches, plain_cache.value_caches)):
+                for layer in range(len(got_cache)):  # padding rows write nothing (slot -1)
+                    torch.testing.assert_close(got_cache[layer], want_cache[layer], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.usefixtures("one_thread")
