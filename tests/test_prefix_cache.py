@@ -321,7 +321,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.device.kv[slot] = sid % 10
 
     def register(self, sid):
-        hashes = extend_block_hashes(self.hashes[sid], self.tokens[sid], self.manager.block_size)
+        """As the engine does: extend the sequence's hashes over the tokens after those they cover."""
+        hashes, block_size = self.hashes[sid], self.manager.block_size
+        extend_block_hashes(hashes, self.tokens[sid][len(hashes) * block_size:], block_size)
         self.manager.register_full_blocks(sid, hashes)
 
     @rule(index=st.integers(0, 8))
