@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
-# Sections: tests nano long topp shared models samples logprobs profile baseline sweep
+# Sections: tests nano long topp shared models samples logprobs profile baseline sweep piecewise
 # (default: tests nano long topp shared profile).
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
 # TESTS_K: a pytest -k filter for the tests section (default: the whole suite); PROFILE: profile_decode.py's
@@ -50,6 +50,9 @@ want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp 
 want long && { bench long job.workload=long; steps $runs/long/steps.parquet; cp $runs/long/steps.parquet "$out/long_steps.parquet"; }
 want topp && { bench long_topp job.workload=long sampling.top_p=0.95 sampling.top_k=20; steps $runs/long_topp/steps.parquet; }
 want shared && { bench shared job.workload=shared_prefix; steps $runs/shared/steps.parquet; cp $runs/shared/steps.parquet "$out/shared_steps.parquet"; }
+if want piecewise; then  # the same three workloads with the per-layer graphs of steps with prompt chunks
+  for w in nano shared_prefix long; do bench ${w}_piecewise job.workload=$w model.piecewise_graphs=true; steps $runs/${w}_piecewise/steps.parquet; done
+fi
 want models && for m in llama-3.2-1b qwen2.5-0.5b; do MODEL=$m bench nano_$m job.workload=nano; done
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }
 want logprobs && bench nano_logprobs job.workload=nano sampling.logprobs=5

@@ -16,6 +16,8 @@ bucket, and the step replays piece 0, runs layer 0's attention eagerly, replays 
 launches a layer become ~3. The tokens past the step's own, up to the bucket, are padding (token 0,
 position 0, slot -1): rows are independent outside attention, and attention never reads them.
 """
+import time
+
 import torch
 
 from engine.attention import AttentionMetadata, CascadeMetadata
@@ -135,11 +137,13 @@ class PiecewiseGraphs:
         self.hidden = torch.zeros(max_tokens, arch.hidden_size, dtype=dtype, device=device)
         self.residual = None  # the residual stream between two pieces
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] | None = None
+        start = time.perf_counter()
         if capture:
             self.graphs, pool = {}, None
             for size in reversed(self.buckets):  # largest first, so the smaller ones reuse its pool
                 self.graphs[size], pool = self._capture(size, pool)
             torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
 
     def _capture(self, size: int, pool) -> tuple[list, object]:
         """The pieces' graphs at one bucket, in the pool (None: a new one) -> (graphs, the pool)."""

@@ -88,6 +88,10 @@ class LLMEngine:
         piece_tokens = max_num_batched_tokens if cfg.model.piecewise_graphs and not cfg.model.enforce_eager else 0
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
                                   self.eos_token_ids, cascade, piece_tokens)
+        if self.runner.pieces is not None:
+            log.info("piecewise graphs: %d token counts up to %d, %d pieces each, captured in %.1f s",
+                     len(self.runner.pieces.buckets), piece_tokens, self.runner.pieces.num_pieces,
+                     self.runner.pieces.capture_s)
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
         self._in_flight: InFlight | None = None
