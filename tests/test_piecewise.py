@@ -13,6 +13,7 @@ from engine.engine import LLMEngine
 from engine.kv_cache import PagedKVCache
 from engine.models.loader import build_model
 from engine.sequence import SamplingParams
+from test_cascade_engine import interleaved_prefix_prompts  # noqa: F401  (a fixture)
 from test_mixed_step import BLOCK, metadata, positions_of
 from test_oracle import MAX_TOKENS, reference_outputs
 
@@ -89,3 +90,21 @@ def test_greedy_matches_transformers_with_pieces(make_config, qwen3_checkpoint):
     assert [s.output_token_ids for s in seqs] == expected
     phases = engine.stats.table().column("phase").to_pylist()
     assert phases.count("mixed") >= 3
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_pieces_with_cascade_groups(make_config, qwen3_checkpoint, interleaved_prefix_prompts):
+    """Shared-prefix prompts with cascade attention on: mixed steps whose decode rows form groups attend
+    between the pieces as in an eager step; greedy outputs stay transformers'."""
+    path, _ = qwen3_checkpoint
+    prompts, expected = interleaved_prefix_prompts
+    engine = LLMEngine(make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto",
+                                   "model.dtype=float32", "model.piecewise_graphs=true", "cache.block_size=16",
+                                   "cache.cascade_attention=on", "cache.num_blocks=64", "scheduler.max_num_seqs=8",
+                                   "scheduler.max_num_batched_tokens=16"))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+    assert len(list(engine.run())) == len(prompts)
+    assert [s.output_token_ids for s in seqs] == expected
+    steps = engine.stats.table().to_pylist()
+    assert any(r["phase"] == "mixed" and r["cascade_rows"] > 0 for r in steps)
