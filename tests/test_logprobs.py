@@ -92,11 +92,13 @@ def check_prompt_logprobs(seq, hf_model):
         check_top(seq.prompt_top_logprobs[i], expected[i - 1], k)
 
 
-def test_prompt_logprobs_match_transformers(make_config, qwen3_checkpoint, prompts, monkeypatch, one_thread):
-    """Prompts cut into chunks of up to 16 tokens, their logits made 5 rows at a time."""
+@pytest.mark.parametrize("pieces", [False, True], ids=["eager", "piecewise"])
+def test_prompt_logprobs_match_transformers(make_config, qwen3_checkpoint, prompts, monkeypatch, one_thread, pieces):
+    """Prompts cut into chunks of up to 16 tokens, their logits made 5 rows at a time; with the piecewise
+    forward too (the prompt rows' hidden states come from its static buffer)."""
     path, hf_model = qwen3_checkpoint
     monkeypatch.setattr(model_runner, "PROMPT_ROWS", 5)
-    engine = tiny_engine(make_config, path, "scheduler.max_num_batched_tokens=16")
+    engine = tiny_engine(make_config, path, "scheduler.max_num_batched_tokens=16", f"model.piecewise_graphs={pieces}")
     ks = [2, 0, 3, None, 1]
     seqs = [engine.add_request(str(i), p, SamplingParams(max_tokens=3, prompt_logprobs=k))
             for i, (p, k) in enumerate(zip(prompts, ks))]
