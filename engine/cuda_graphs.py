@@ -13,8 +13,8 @@ A step with prompt chunks has lengths, chunks and groups of its own, so its atte
 grids and metadata) cannot be a graph's; everything else in it depends only on its token count. Its
 forward is cut into num_layers + 1 pieces at the attention calls, each piece a graph per token-count
 bucket, and the step replays piece 0, runs layer 0's attention eagerly, replays piece 1, and so on: ~10
-launches a layer become ~3. The tokens past the step's own, up to the bucket, are padding (token 0,
-position 0, slot -1): rows are independent outside attention, and attention never reads them.
+launches a layer become ~3. The tokens past the step's own, up to the bucket, are padding (StaticInputs):
+rows are independent outside attention, and attention never reads them.
 """
 import time
 
@@ -22,6 +22,29 @@ import torch
 
 from engine.attention import AttentionMetadata, CascadeMetadata
 from engine.prefix_groups import CascadePolicy
+
+
+class StaticInputs:
+    """A graph's token inputs [max_rows]: ids, positions and cache slots. A step's rows are copied to the
+    front; the rows after them, up to the bucket, get slot -1 (nothing written) and keep ids and positions
+    of an earlier step (valid ones: zeros at first)."""
+
+    def __init__(self, max_rows: int, device):
+        self.input_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_rows,), -1, dtype=torch.int32, device=device)
+
+    def stage(self, input_ids, positions, slot_mapping, size: int) -> None:
+        rows = input_ids.shape[0]
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.slot_mapping[:rows].copy_(slot_mapping, non_blocking=True)
+        self.slot_mapping[rows:size].fill_(-1)
+
+
+def smallest_bucket(buckets: list[int], rows: int) -> int | None:
+    """The first of the ascending buckets that holds `rows`, None when none does."""
+    return next((b for b in buckets if b >= rows), None)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -45,9 +68,7 @@ class DecodeGraphs:
                  cascade: CascadePolicy | None = None):
         self.model, self.kv_cache = model, kv_cache
         self.buckets = bucket_sizes(max_batch)
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+        self.inputs = StaticInputs(max_batch, device)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.rows = torch.arange(max_batch, dtype=torch.int32, device=device)  # padding rows keep their place
@@ -70,27 +91,21 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _forward(self, size: int, cascade: bool) -> torch.Tensor:
-        meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
+        meta = AttentionMetadata(self.inputs.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
                                  cascade=self.groups if cascade else None,
                                  decode_order=None if cascade else self.decode_order[:size])
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
-
-    def _bucket(self, batch_size: int) -> int | None:
-        return next((b for b in self.buckets if b >= batch_size), None)
+        return self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_cache, meta)
 
     def fits(self, batch_size: int, cascade: bool = False) -> bool:
         """Whether a graph runs a decode batch of this size (with shared-prefix groups: cascade)."""
-        return (self._bucket(batch_size), cascade) in self.graphs
+        return (smallest_bucket(self.buckets, batch_size), cascade) in self.graphs
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [B, hidden] of a decode batch that fits (meta.cascade: its graph)."""
         batch = input_ids.shape[0]
-        key = (self._bucket(batch), meta.cascade is not None)
+        key = (smallest_bucket(self.buckets, batch), meta.cascade is not None)
         size = key[0]
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[batch:size].fill_(-1)
+        self.inputs.stage(input_ids, positions, meta.slot_mapping, size)
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
         self.seq_lens[batch:size].zero_()
         self.block_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
@@ -117,7 +132,7 @@ def token_buckets(max_tokens: int) -> list[int]:
 class PiecewiseGraphs:
     """The forward of steps with prompt chunks of up to max_tokens tokens, as graphs of the pieces between
     attention calls (see the module's docstring). Static buffers, sliced to a bucket's first rows: the
-    inputs [max_tokens], the rotated q and the attention output [max_tokens, Hq, D] (shared by every layer:
+    inputs (StaticInputs), the rotated q and the attention output [max_tokens, Hq, D] (shared by every layer:
     a layer's attention reads q and writes its output between two pieces) and the final hidden states.
     The residual stream passes from one piece to the next in the graphs' pool; pieces are captured and
     replayed in the same order, so the pool's reuse during capture is right during replay. capture=False
@@ -128,9 +143,7 @@ class PiecewiseGraphs:
         self.model, self.kv_cache = model, kv_cache
         arch = model.arch
         self.buckets = token_buckets(max_tokens)
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.inputs = StaticInputs(max_tokens, device)
         dtype = model.lm_head.weight.dtype
         self.q = torch.zeros(max_tokens, arch.num_attention_heads, arch.head_dim, dtype=dtype, device=device)
         self.attn_out = torch.zeros_like(self.q)
@@ -168,7 +181,7 @@ class PiecewiseGraphs:
         norm into self.hidden)."""
         decoder = self.model.model
         if piece == 0:
-            x, residual = decoder.embed_tokens(self.input_ids[:size]), None
+            x, residual = decoder.embed_tokens(self.inputs.input_ids[:size]), None
         else:
             x, residual = decoder.layers[piece - 1].after_attention(self.attn_out[:size].flatten(1), self.residual)
         if piece == len(decoder.layers):
@@ -176,27 +189,20 @@ class PiecewiseGraphs:
             self.residual = None
             return
         caches = self.kv_cache.key_caches[piece], self.kv_cache.value_caches[piece]
+        positions, slots = self.inputs.positions[:size], self.inputs.slot_mapping[:size]
         _, self.residual = decoder.layers[piece].before_attention(
-            x, residual, self.positions[:size], decoder.rotary, *caches, self.slot_mapping[:size], q_out=self.q[:size])
-
-    def _bucket(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+            x, residual, positions, decoder.rotary, *caches, slots, q_out=self.q[:size])
 
     def fits(self, num_tokens: int) -> bool:
-        return self._bucket(num_tokens) is not None
+        return smallest_bucket(self.buckets, num_tokens) is not None
 
     @torch.inference_mode()
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] of a step of T <= max_tokens tokens (a view of a static buffer,
         valid until the next run)."""
         num_tokens = input_ids.shape[0]
-        size = self._bucket(num_tokens)
-        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
-        self.input_ids[num_tokens:size].zero_()
-        self.positions[:num_tokens].copy_(positions, non_blocking=True)
-        self.positions[num_tokens:size].zero_()
-        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[num_tokens:size].fill_(-1)
+        size = smallest_bucket(self.buckets, num_tokens)
+        self.inputs.stage(input_ids, positions, meta.slot_mapping, size)
         layers, q, out = self.model.model.layers, self.q[:num_tokens], self.attn_out[:num_tokens]
         for piece in range(self.num_pieces):
             if self.graphs is None:

@@ -31,7 +31,8 @@ def _pick(backend, tensor, family: str):
 
 
 def _checked_out(out, q):
-    """An attention op's out: None, or a tensor of q's shape, dtype and device (a view is fine)."""
+    """An op's out (the attention ops', the fused RoPE's): None, or a tensor of q's shape, dtype and device
+    (a view is fine)."""
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must match q: got {tuple(out.shape)} {out.dtype} on {out.device}, "
                          f"q is {tuple(q.shape)} {q.dtype} on {q.device}")
