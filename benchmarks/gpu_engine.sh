@@ -50,8 +50,8 @@ want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp 
 want long && { bench long job.workload=long; steps $runs/long/steps.parquet; cp $runs/long/steps.parquet "$out/long_steps.parquet"; }
 want topp && { bench long_topp job.workload=long sampling.top_p=0.95 sampling.top_k=20; steps $runs/long_topp/steps.parquet; }
 want shared && { bench shared job.workload=shared_prefix; steps $runs/shared/steps.parquet; cp $runs/shared/steps.parquet "$out/shared_steps.parquet"; }
-if want piecewise; then  # the same three workloads with the per-layer graphs of steps with prompt chunks
-  for w in nano shared_prefix long; do bench ${w}_piecewise job.workload=$w model.piecewise_graphs=true; steps $runs/${w}_piecewise/steps.parquet; done
+if want piecewise; then  # the same three workloads with steps that carry prompt chunks run eagerly (no piecewise graphs)
+  for w in nano shared_prefix long; do bench ${w}_eager job.workload=$w model.piecewise_graphs=false; steps $runs/${w}_eager/steps.parquet; done
 fi
 want models && for m in llama-3.2-1b qwen2.5-0.5b; do MODEL=$m bench nano_$m job.workload=nano; done
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }

@@ -71,7 +71,7 @@ class ModelConfig:
     initializer_range: float = 0.02  # random weights: their standard deviation
     eos_token_id: int = 256  # random weights: the end-of-sequence token
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
-    piecewise_graphs: bool = False  # steps with prompt chunks replay a graph per layer around an eager attention (CUDA; the CPU runs the same pieces eagerly)
+    piecewise_graphs: Optional[bool] = None  # steps with prompt chunks replay a graph per layer around an eager attention; null: on for CUDA, off for the CPU (true there runs the same pieces eagerly)
 
 
 @dataclass

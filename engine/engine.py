@@ -56,6 +56,14 @@ def scheduler_limits(scheduler_cfg, device: torch.device) -> tuple[int, int]:
     return chosen
 
 
+def piecewise_graphs_on(model_cfg, device: torch.device) -> bool:
+    """model.piecewise_graphs, or where unset the device's default: on for CUDA, off for the CPU (whose
+    pieces run eagerly, so they would only pad its steps); model.enforce_eager turns them off."""
+    if model_cfg.enforce_eager:
+        return False
+    return device.type == "cuda" if model_cfg.piecewise_graphs is None else model_cfg.piecewise_graphs
+
+
 class LLMEngine:
     def __init__(self, cfg):
         self.cfg = cfg
@@ -85,7 +93,7 @@ class LLMEngine:
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
-        piece_tokens = max_num_batched_tokens if cfg.model.piecewise_graphs and not cfg.model.enforce_eager else 0
+        piece_tokens = max_num_batched_tokens if piecewise_graphs_on(cfg.model, self.device) else 0
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
                                   self.eos_token_ids, cascade, piece_tokens)
         if self.runner.pieces is not None:

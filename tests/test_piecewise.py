@@ -9,7 +9,7 @@ import torch
 
 from engine.block_manager import KVBlockManager
 from engine.cuda_graphs import PiecewiseGraphs, token_buckets
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, piecewise_graphs_on
 from engine.kv_cache import PagedKVCache
 from engine.models.loader import build_model
 from engine.sequence import SamplingParams
@@ -28,6 +28,17 @@ def test_token_buckets():
     # 65,536 / 64 = 1,024: powers of two up to 512, then multiples of 1,024
     assert token_buckets(65536)[:8] == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert token_buckets(65536)[-1] == 65536 and len(token_buckets(65536)) == 6 + 63 + 1
+
+
+def test_piecewise_default_follows_the_device(make_config):
+    """Unset: on for CUDA, off for the CPU (eager pieces would only pad its steps); set: as set;
+    enforce_eager: off."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    unset = make_config().model
+    assert piecewise_graphs_on(unset, cuda) and not piecewise_graphs_on(unset, cpu)
+    assert piecewise_graphs_on(make_config("model.piecewise_graphs=true").model, cpu)
+    assert not piecewise_graphs_on(make_config("model.piecewise_graphs=false").model, cuda)
+    assert not piecewise_graphs_on(make_config("model.piecewise_graphs=true", "model.enforce_eager=true").model, cuda)
 
 
 def step_inputs(manager, tokens, seq_ids, counts, num_decode):
