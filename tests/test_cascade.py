@@ -145,9 +145,10 @@ def test_prefix_read_through_first_member_only(gen, nan_buffers):
     check(out, ref, dtype, gen, "prefix via the first member")
 
 
-@pytest.mark.parametrize("num_chunks,num_splits", [(1, 1), (3, 2), (8, 1)])
+@pytest.mark.parametrize("num_chunks,num_splits", [(1, 1), (3, 2), (8, 1), (5, 8)])
 def test_cascade_forced_partitions(num_chunks, num_splits, gen, nan_buffers):
-    """Forced prefix chunk / suffix split counts (3: not a power of two; 8: empty chunks)."""
+    """Forced prefix chunk / suffix split counts (3: not a power of two; 8: empty chunks; 5 + 8 = 13
+    slots, of a 16-slot buffer: the merge masks the 3 past the last)."""
     from ops import cascade
 
     dtype = torch.float32
