@@ -4,8 +4,9 @@ Per-step metadata is built on the CPU with numpy (no per-token Python loops), st
 on CUDA and copied without blocking (engine/staging.py); every layer reads the same AttentionMetadata. On
 CUDA, decode-only steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks replay graphs
 of the pieces between attention calls (model.piecewise_graphs, on by default there), else run eagerly;
-decode batches above the largest graph run eagerly. With a CascadePolicy, decode rows that share a prefix of blocks take cascade
-attention (engine/prefix_groups.py); a step without such groups starts its decode rows longest first.
+decode batches above the largest graph run eagerly. With a CascadePolicy, decode rows that share a
+prefix of blocks take cascade attention (engine/prefix_groups.py); a step without such groups starts its
+decode rows longest first.
 Only the last position of each sequence that draws a token gets logits, and the prompt positions of the
 chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The samples forked from a
 sequence in a step draw from its logits row, each with its own seed.
