@@ -10,10 +10,14 @@ kernels (uint32 arithmetic, bit-identical to sampling_reference.uniform_noise fo
 so that ties resolve alike. Nothing sorts the vocabulary, nothing synchronises with the host, grids
 come from shapes only and no argument depends on the batch size (no recompiles as it changes).
 
-gumbel_sample: programs per (row, vocabulary range) loop over vocabulary tiles keeping a per-lane
-best score (first index on ties); a row at temperature 0 takes the plain argmax. With one range per
-row the program writes the token id; otherwise each range writes (max, argmax) and a second kernel
-reduces the ranges of a row.
+gumbel_sample: programs per (row, vocabulary range) loop over vocabulary tiles. The exact scores cost
+two precise logs and a division per token, so the sweep ranks approximate ones (fast hardware logs,
+a product by 1 / T; within NOISE_ERR of the exact) keeping per lane its best token and its runner-up,
+then scores the best token exactly: when every other token's approximate score lies beyond its error
+bound below that, the range's (max, argmax) is exact. Otherwise (a near tie, inf or NaN logits, a row
+at temperature 0: the plain argmax) the range is swept again with exact scores, first index on ties.
+With one range per row the program writes the token id; otherwise each range writes (max, argmax)
+and a second kernel reduces the ranges of a row.
 
 top_k_top_p_sample: the best score over the kept set K, exactly, in rounds. K is an upper set of
 logit values, so if w is the best score over an upper set S that contains K, either w is in K (then
@@ -55,6 +59,14 @@ _LOG2E = tl.constexpr(sampling_reference.LOG2E)
 # tiles per iteration of the memory-bound loops (statistics, counts): their loads are issued together,
 # since one program per row (or per split at small batches) is bound by the latency of its loads
 _UNROLL = tl.constexpr(4)
+_NOISE_SHIFT = tl.constexpr(32 - sampling_reference.NOISE_BITS)
+_HALF_BIN = tl.constexpr(0.5 / 2**sampling_reference.NOISE_BITS)
+_LN2 = tl.constexpr(0.6931471805599453)
+# bound of |_approx_noise(u) - the exact noise| over every u; a product by 1 / T is within 2^-21 of
+# the quotient relative to it, so an approximate score a is within _score_error(a) of the exact one
+NOISE_ERR = 2.0**-10
+_NOISE_ERR = tl.constexpr(NOISE_ERR)
+_NOISE_MAX = tl.constexpr(17.0)  # -log(-log u) < 17 for the largest u, 1 - 2^-24
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,10 +89,18 @@ def _row_key(seed_ptr, step_ptr, b):
 
 
 @triton.jit
+def _uniform_from_bits(bits):
+    """sampling_reference.uniform_from_bits for uint32 bits < 2^23: they are the mantissa of
+    f = 1 + bits / 2^23 (no integer-to-float conversion, a slow instruction); f - 1 and the half bin
+    added to it are exact."""
+    f = (bits | 0x3F800000).to(tl.float32, bitcast=True)
+    return (f - 1.0) + _HALF_BIN
+
+
+@triton.jit
 def _uniform(key, v):
     """sampling_reference.uniform_noise for token ids v (int32 >= 0) of a row whose key is _row_key."""
-    bits = _mix32(key ^ v.to(tl.uint32)) >> 8  # 24 bits: exact in float32
-    return (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return _uniform_from_bits(_mix32(key ^ v.to(tl.uint32)) >> _NOISE_SHIFT)
 
 
 @triton.jit
@@ -93,6 +113,27 @@ def _scores(x, v, key, temp, CUDA_MATH: tl.constexpr):
     else:
         noise = tl.log(-tl.log(u))
     return scaled - noise
+
+
+@triton.jit
+def _fast_log2(x, CUDA_MATH: tl.constexpr):
+    """log2 x: on CUDA the hardware approximation (one instruction), elsewhere the interpreter's."""
+    if CUDA_MATH:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _approx_noise(u, CUDA_MATH: tl.constexpr):
+    """-log(-log u) to within NOISE_ERR (checked for every u by the tests), with the fast logs. Near
+    u = 1 the fast log of u has no relative accuracy, so there -log u comes from its series in
+    w = 1 - u (exact: u is a multiple of 2^-24)."""
+    w = 1.0 - u
+    minus_log_u = tl.where(w < 1.0 / 256, w * (1.0 + w * (0.5 + w * (1.0 / 3.0))),
+                           -_fast_log2(u, CUDA_MATH) * _LN2)
+    return -_fast_log2(minus_log_u, CUDA_MATH) * _LN2
 
 
 @triton.jit
@@ -160,6 +201,43 @@ def _chain_query(s1, l1, i1, s2, l2, i2, tb, theta):
 
 
 @triton.jit
+def _score_error(a):
+    """A bound of |exact score - a| for an approximate score a (module constants above); a + _score_error(a)
+    increases with a."""
+    return _NOISE_ERR + (tl.abs(a) + _NOISE_MAX) * 2.0**-20
+
+
+@triton.jit
+def _fast_best(row, s_lv, start, end, key, temp, BLOCK: tl.constexpr, CUDA_MATH: tl.constexpr):
+    """The best (score, id) of tokens [start, end) of a row at temperature > 0, and whether it is settled.
+    A sweep of approximate scores (x * (1 / T) + _approx_noise) keeps per lane its best a1 (id, logit)
+    and the best a2 of its other tokens; then the exact score s of the best lane's token. Every other
+    token's exact score is at most r + _score_error(r), r the runner-up of the approximate scores: when
+    that is below s, s is the best exact score and no other token ties it (settled). Otherwise (a near
+    tie, infinite or NaN logits, temperature 0: rare) the caller runs the exact sweep."""
+    offs = tl.arange(0, BLOCK)
+    inv_temp = 1.0 / temp
+    a1 = tl.full([BLOCK], float("-inf"), tl.float32)
+    a2, x1 = a1, a1
+    i1 = tl.zeros([BLOCK], dtype=tl.int32)
+    for v0 in range(start, tl.where(temp > 0.0, end, start), BLOCK):
+        v = v0 + offs
+        x = tl.load(row + v * s_lv, mask=v < end, other=float("-inf")).to(tl.float32)
+        a = x * inv_temp + _approx_noise(_uniform(key, v), CUDA_MATH)
+        new = a > a1
+        a2 = tl.maximum(a2, tl.where(new, a1, a))
+        a1 = tl.where(new, a, a1)
+        x1 = tl.where(new, x, x1)
+        i1 = tl.where(new, v, i1)
+    best = tl.max(a1, 0)
+    i = tl.min(tl.where(a1 == best, i1, _INT32_MAX), 0)
+    x = tl.max(tl.where(i1 == i, x1, float("-inf")), 0)
+    runner_up = tl.maximum(tl.max(a2, 0), tl.max(tl.where(i1 == i, float("-inf"), a1), 0))
+    s = _scores(x, i, key, temp, CUDA_MATH)
+    return s, i, runner_up + _score_error(runner_up) < s
+
+
+@triton.jit
 def _gumbel_kernel(
     logits_ptr, temp_ptr, seed_ptr, step_ptr, flag_ptr, out_ptr, part_f_ptr, part_i_ptr,
     V, chunk, s_lb, s_lv,
@@ -175,11 +253,14 @@ def _gumbel_kernel(
         run = split >= 0
     if run:
         start = split * chunk
-        s1, l1, i1, s2, l2, i2, tb = _scan(
-            logits_ptr + b * s_lb, s_lv, start, tl.minimum(start + chunk, V), 0.0,
-            _row_key(seed_ptr, step_ptr, b), tl.load(temp_ptr + b), BLOCK_V, False, CHAIN, CUDA_MATH)
+        end = tl.minimum(start + chunk, V)
+        row = logits_ptr + b * s_lb
+        key = _row_key(seed_ptr, step_ptr, b)
+        temp = tl.load(temp_ptr + b)
         part = b * NUM_SPLITS + split
         if CHAIN:
+            s1, l1, i1, s2, l2, i2, tb = _scan(row, s_lv, start, end, 0.0, key, temp,
+                                               BLOCK_V, False, True, CUDA_MATH)
             c1_s, c1_l, c1_i = _best(s1, l1, i1)
             c2_s, c2_l, c2_i, c2_bound = _chain_query(s1, l1, i1, s2, l2, i2, tb, c1_l)
             known = (c2_s > c2_bound) & (c2_s > float("-inf"))
@@ -193,8 +274,12 @@ def _gumbel_kernel(
             tl.store(part_i_ptr + part * 2, c1_i)
             tl.store(part_i_ptr + part * 2 + 1, c2_i)
         else:
-            m = tl.max(s1, 0)
-            idx = tl.min(tl.where(s1 == m, i1, V), 0)  # first index among the lanes' maxima
+            m, idx, settled = _fast_best(row, s_lv, start, end, key, temp, BLOCK_V, CUDA_MATH)
+            if not settled:
+                s1, _, i1, _, _, _, _ = _scan(row, s_lv, start, end, 0.0, key, temp,
+                                              BLOCK_V, False, False, CUDA_MATH)
+                m = tl.max(s1, 0)
+                idx = tl.min(tl.where(s1 == m, i1, V), 0)  # first index among the lanes' maxima
             if NUM_SPLITS == 1:
                 tl.store(out_ptr + b, idx.to(tl.int64))
             else:

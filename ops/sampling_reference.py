@@ -39,6 +39,7 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 LOG2E = 1.4426950408889634
+NOISE_BITS = 23  # bits of the uniform noise (uniform_from_bits)
 
 
 def mix32(x):
@@ -48,11 +49,17 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
+def uniform_from_bits(bits):
+    """The midpoint of bin `bits` of 2^NOISE_BITS equal bins of (0, 1), as float32. bits + 1/2 needs
+    NOISE_BITS + 1 significant bits, so NOISE_BITS = 23 keeps it exact: with 24 the top bin rounded to
+    u = 1, a score of +inf."""
+    return (bits.float() + 0.5) / float(1 << NOISE_BITS)
+
+
 def uniform_noise(seed, step, token_ids):
     """Uniform (0, 1) values [B, V], a pure function of (seed[b], step[b], token_ids[b, v])."""
     key = mix32(mix32(seed) ^ step)
-    bits = mix32(key[:, None] ^ token_ids) >> 8  # 24 bits: exact in float32
-    return (bits.float() + 0.5) / float(1 << 24)
+    return uniform_from_bits(mix32(key[:, None] ^ token_ids) >> (32 - NOISE_BITS))
 
 
 def gumbel_scores(logits, temperature, seed, step, token_ids):

@@ -28,7 +28,7 @@ from engine.engine import LLMEngine  # noqa: E402
 from engine.sampler import SamplingTensors, TokenHistory, sample  # noqa: E402
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence  # noqa: E402
 from ops import sampling_reference as reference  # noqa: E402
-from ops.sampling import _row_key, _uniform  # noqa: E402
+from ops.sampling import NOISE_ERR, _approx_noise, _row_key, _uniform, _uniform_from_bits  # noqa: E402
 
 BACKENDS = ["triton", "torch"]
 INF = float("inf")
@@ -389,13 +389,64 @@ def test_uniform_noise_is_bit_exact(gen):
     assert torch.equal(kernel_noise(seed, step, ids), expected), f"seed={gen.initial_seed()}"
 
 
+def test_every_uniform_lies_strictly_inside_the_unit_interval():
+    """Every bin's midpoint is exact, so no draw is 0 or 1 (a draw of 1 scores +inf: that token wins
+    whatever its logit) and the bins stay equally spaced."""
+    u = reference.uniform_from_bits(torch.arange(2**reference.NOISE_BITS)).double()
+    assert u.dtype == torch.float64 and 0 < u[0] and u[-1] < 1
+    assert torch.equal(torch.diff(u), torch.full_like(u[1:], 2.0**-reference.NOISE_BITS))
+    assert torch.isfinite((-u.log()).log()).all()
+
+
+@triton.jit
+def _bits_noise_kernel(out_u_ptr, out_g_ptr, N, BLOCK: tl.constexpr, CUDA_MATH: tl.constexpr):
+    """For bits = 0 .. N-1: the kernels' uniform and their fast Gumbel noise."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = _uniform_from_bits(offs.to(tl.uint32))
+    tl.store(out_u_ptr + offs, u, mask=offs < N)
+    tl.store(out_g_ptr + offs, _approx_noise(u, CUDA_MATH), mask=offs < N)
+
+
+def test_fast_noise_is_within_its_bound_for_every_uniform():
+    """gumbel_sample settles a draw with the fast noise when its error bound, NOISE_ERR, separates the
+    winner: checked here against float64 over all 2^23 draws (on the GPU, with its fast logs)."""
+    n = 2**reference.NOISE_BITS
+    u, g = torch.empty(n, device=DEVICE), torch.empty(n, device=DEVICE)
+    block = 2**16
+    _bits_noise_kernel[(n // block,)](u, g, n, BLOCK=block, CUDA_MATH=ON_GPU)
+    expected_u = reference.uniform_from_bits(torch.arange(n, device=DEVICE))
+    assert torch.equal(u, expected_u)
+    err = (g.double() - (-(-expected_u.double().log()).log())).abs().max().item()
+    assert err <= NOISE_ERR, err
+
+
+@pytest.mark.parametrize("gap", [3e-5, 3e-4, 0.9 * NOISE_ERR, 3 * NOISE_ERR])
+def test_gumbel_sample_resolves_near_ties_exactly(gen, gap):
+    """Rows whose runner-up's score lies `gap` below the winner's: inside the fast noise's error bound
+    the kernel rescans exactly; either way the draw is the reference's. (The gaps stay above float32
+    rounding: on the CPU the interpreter's log and torch's may differ in the last place.)"""
+    B, V = 8, 4000
+    logits, temperature, seed, step = sampling_inputs(gen, B, V)
+    scores = reference._scores(logits, temperature, seed, step)[1]
+    top2 = scores.topk(2, dim=-1)
+    rows = torch.arange(B, device=DEVICE)
+    # lift the runner-up to the winner's score less the gap (scaled back to a logit)
+    lift = (top2.values[:, 0] - top2.values[:, 1] - gap) * temperature
+    logits[rows, top2.indices[:, 1]] += lift
+    expected = reference.gumbel_sample(logits, temperature, seed, step)
+    lifted = reference._scores(logits, temperature, seed, step)[1].topk(2, dim=-1).values
+    assert ((lifted[:, 0] - lifted[:, 1] - gap).abs() < 1e-5).all()
+    drawn = ops.gumbel_sample(logits, temperature, seed, step, backend="triton")
+    assert drawn.tolist() == expected.tolist(), f"seed={gen.initial_seed()}"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gumbel_sample_of_zero_logits_is_the_noise_argmax(gen, backend):
     B, V = 6, 5003
     _, _, seed, step = sampling_inputs(gen, B, V)
     logits = torch.zeros(B, V, device=DEVICE)
     u = reference.uniform_noise(seed, step, torch.arange(V, device=DEVICE)[None, :])
-    # -log(-log u) is increasing in u, and distinct 24-bit u near the top give distinct scores
+    # -log(-log u) is increasing in u, and distinct 23-bit u near the top give distinct scores
     drawn = ops.gumbel_sample(logits, torch.ones(B, device=DEVICE), seed, step, backend=backend)
     assert drawn.dtype == torch.int64
     assert drawn.tolist() == u.argmax(-1).tolist(), f"seed={gen.initial_seed()}"
