@@ -229,9 +229,7 @@ def _fast_best(row, s_lv, start, end, key, temp, BLOCK: tl.constexpr, CUDA_MATH:
         a1 = tl.where(new, a, a1)
         x1 = tl.where(new, x, x1)
         i1 = tl.where(new, v, i1)
-    best = tl.max(a1, 0)
-    i = tl.min(tl.where(a1 == best, i1, _INT32_MAX), 0)
-    x = tl.max(tl.where(i1 == i, x1, float("-inf")), 0)
+    _, x, i = _best(a1, x1, i1)
     runner_up = tl.maximum(tl.max(a2, 0), tl.max(tl.where(i1 == i, float("-inf"), a1), 0))
     s = _scores(x, i, key, temp, CUDA_MATH)
     return s, i, runner_up + _score_error(runner_up) < s
