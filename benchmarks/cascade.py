@@ -135,13 +135,13 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
 
 
 @contextmanager
-def gpu_config(table: dict, **cfg):
-    """table["gpu"] (a kernel's tunables in ops/paged_attention.py) is cfg inside the block."""
-    default, table["gpu"] = table["gpu"], cfg
+def gpu_config(table: dict, key: str = "gpu", **cfg):
+    """table[key] (a kernel's tunables in ops/paged_attention.py) is cfg inside the block."""
+    default, table[key] = table[key], cfg
     try:
         yield
     finally:
-        table["gpu"] = default
+        table[key] = default
 
 
 def engine_layout(x):
@@ -191,7 +191,8 @@ def time_parts(batch, suffixes, generator):
     print(f"  suffix pass, default tile, longest first: {us:.1f} us, "
           f"{100 * suffix_bytes / (us * 1e-6) / COPY_BYTES_PER_S:.0f}% of copy speed", flush=True)
     for block_n, warps, stages in PARTS_SUFFIX:
-        with gpu_config(paged_attention.DECODE_CFG, BLOCK_N=block_n, num_warps=warps, num_stages=stages):
+        with gpu_config(paged_attention.DECODE_CFG, "gpu_short", BLOCK_N=block_n, num_warps=warps,
+                        num_stages=stages):
             us = bench(suffix, graph=True) * 1e3
         print(f"  suffix pass, decode tile {block_n}, {warps} warps, {stages} stages: {us:.1f} us, "
               f"{100 * suffix_bytes / (us * 1e-6) / COPY_BYTES_PER_S:.0f}% of copy speed", flush=True)
@@ -292,7 +293,8 @@ def main():
         print("\nthe same batch, default prefix tile: suffix pass (decode kernel) BLOCK_N x warps x stages:")
         for block_n, warps, stages in SWEEP_SUFFIX:
             print(f"decode tile {block_n}, {warps} warps, {stages} stages")
-            with gpu_config(paged_attention.DECODE_CFG, BLOCK_N=block_n, num_warps=warps, num_stages=stages):
+            with gpu_config(paged_attention.DECODE_CFG, "gpu_short", BLOCK_N=block_n, num_warps=warps,
+                            num_stages=stages):
                 run_case(512, 1, "16-512", suffixes, generator)
     # no groups: the cascade op on a batch with nothing shared (the engine should call plain decode)
     x = make_batch([256], PREFIX, torch.full((256,), 16), generator)

@@ -14,10 +14,11 @@ physical blocks). Three kernels, none of which synchronises with the host:
    [0, num_chunks) and each row's context start (its group's prefix length) to ctx_start.
 2. suffix: the decode kernel over [ctx_start, seq_len) of each row, into slots num_chunks.. .
 3. merge: the split-KV reduce over all slots; prefix slots count only for rows with ctx_start > 0.
-The prefix a group's kernel covers is its prefix length rounded down to the decode kernel's BLOCK_N
-when that divides the block size (the decode tile loop needs aligned starts there); the rounded-off
-tokens go to the suffix pass, so results do not depend on it. Rows outside [0, cu_group_rows[G]) and
-groups with prefix 0 take the plain path (ctx_start stays 0); with G = 0 the op is plain decode.
+The prefix a group's kernel covers is its prefix length rounded down to the suffix pass's decode tile
+(BLOCK_N of decode_cfg's short contexts) when that divides the block size (the decode tile loop needs
+aligned starts there); the rounded-off tokens go to the suffix pass, so results do not depend on it.
+Rows outside [0, cu_group_rows[G]) and groups with prefix 0 take the plain path (ctx_start stays 0);
+with G = 0 the op is plain decode.
 """
 from typing import Optional
 
@@ -91,7 +92,7 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     num_groups = group_prefix_lens.shape[0]
-    decode_block_n = paged_attention.decode_cfg(q, key_cache)["BLOCK_N"]
+    decode_block_n = paged_attention.decode_cfg(q, key_cache, short_contexts=True)["BLOCK_N"]
     part_o, part_lse = partials
     _prefix_kernel[(B // block_q + num_groups, Hkv, num_chunks)](
         q, key_cache, value_cache, block_tables, cu_group_rows, group_prefix_lens, ctx_start, part_o, part_lse,
@@ -131,7 +132,7 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
     _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows, group_prefix_lens,
                    ctx_start, partials, num_chunks, block_m, block_q, cfg)
     paged_attention.launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
-                                  partials=partials, ctx_start=ctx_start, first_slot=num_chunks)
+                                  partials=partials, ctx_start=ctx_start, first_slot=num_chunks, short_contexts=True)
     paged_attention.launch_reduce(partials, out, num_chunks + num_splits, ctx_start=ctx_start,
                                   num_prefix_slots=num_chunks)
     return out

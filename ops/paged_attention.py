@@ -321,9 +321,12 @@ def _sm_count(device):
     return 132  # interpreter: behave as on an H200 so that CPU tests take the same paths
 
 
-# Tunables (the benchmark may override them). Keys: "gpu" / "interp".
+# Tunables (the benchmarks may override them). Keys: "gpu", "gpu_short", "gpu_fp32", "interp" (decode_cfg).
 DECODE_CFG = {
     "gpu": dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    # the cascade's suffix pass: each row's own context is short, so a smaller last tile wastes less
+    # (benchmarks/NOTES.md, version 26)
+    "gpu_short": dict(BLOCK_N=32, num_warps=4, num_stages=2),
     "gpu_fp32": dict(BLOCK_N=32, num_warps=4, num_stages=2),
     "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
 }
@@ -353,10 +356,12 @@ def _dot_prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_cfg(q, key_cache):
+def decode_cfg(q, key_cache, short_contexts=False):
     if not q.is_cuda:
         return DECODE_CFG["interp"]
-    return DECODE_CFG["gpu_fp32" if key_cache.dtype == torch.float32 else "gpu"]
+    if key_cache.dtype == torch.float32:
+        return DECODE_CFG["gpu_fp32"]
+    return DECODE_CFG["gpu_short" if short_contexts else "gpu"]
 
 
 def decode_partials(q, num_slots):
@@ -369,14 +374,15 @@ def decode_partials(q, num_slots):
 
 
 def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits, out=None,
-                  partials=None, ctx_start=None, first_slot=0, row_order=None):
+                  partials=None, ctx_start=None, first_slot=0, row_order=None, short_contexts=False):
     """The decode kernel over B x Hkv x num_splits programs: into out, or, given partials (see
     decode_partials), into their slots first_slot .. first_slot + num_splits - 1. ctx_start [B] int32
     (optional): each row attends to tokens [ctx_start, seq_len) only. row_order [B] int32 (optional):
-    a permutation of the rows, the order in which their programs start."""
+    a permutation of the rows, the order in which their programs start. short_contexts: the tiles for
+    ranges of a few hundred tokens (decode_cfg)."""
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
-    cfg = decode_cfg(q, key_cache)
+    cfg = decode_cfg(q, key_cache, short_contexts)
     split = partials is not None
     part_o, part_lse = partials if split else (out, out)
     out = out if out is not None else q  # unused when split
