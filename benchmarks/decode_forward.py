@@ -36,9 +36,10 @@ class Bench:
         order = torch.tensor(np.argsort(-lens, kind="stable"), dtype=torch.int32, device=self.device)
         return AttentionMetadata(slots, tables, seq_lens, decode_order=order), last
 
-    def contiguous(self, lens: np.ndarray, first_block: int = 0) -> np.ndarray:
+    def contiguous(self, lens: np.ndarray) -> np.ndarray:
+        """Block tables that give row i the blocks i * width .. (i + 1) * width - 1."""
         width = -(-int(lens.max()) // self.bs)
-        return first_block + np.arange(len(lens))[:, None] * width + np.arange(width)[None, :]
+        return np.arange(len(lens))[:, None] * width + np.arange(width)[None, :]
 
     def forward_ms(self, lens: np.ndarray, tables: np.ndarray | None = None) -> float:
         meta, positions = self.meta(self.contiguous(lens) if tables is None else tables, lens)
@@ -97,8 +98,10 @@ def streams(b: Bench) -> None:
         tables = b.contiguous(lens)
         ids = torch.randint(0, 1000, (n,), device=b.device)
         meta, positions = b.meta(tables, lens)
-        halves = [(ids[s], *b.meta(tables[s], lens[s])) for s in (slice(0, n // 2), slice(n // 2, n))]
-        halves = [(i, p, m) for i, m, p in halves]
+        halves = []  # (ids, positions, meta) of each half
+        for rows in (slice(0, n // 2), slice(n // 2, n)):
+            half_meta, half_positions = b.meta(tables[rows], lens[rows])
+            halves.append((ids[rows], half_positions, half_meta))
         side = torch.cuda.Stream()
 
         def one_after_the_other():
