@@ -1,5 +1,5 @@
-"""A decode step's forward alone (no lm_head, no sampling), as CUDA graph replays on the Qwen3-0.6B shape,
-with metadata built here rather than by the scheduler, to ask one question at a time:
+"""A decode step's forward alone (no lm_head, no sampling), as CUDA graph replays (benchmarks/ops.bench) on
+the Qwen3-0.6B shape, with metadata built here rather than by the scheduler, to ask one question at a time:
   lengths     256 rows at equal lengths around a multiple of the decode tile (1024, 1025, 1056, 1088) and
               mixed: what a partly filled last tile costs against its bytes
   placement   the same rows over blocks contiguous per sequence, as the engine allocates them (prompt
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.ops import bench  # noqa: E402
 from benchmarks.profile_decode import COPY_BYTES_PER_S, bench_engine  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
 
@@ -44,37 +45,18 @@ class Bench:
     def forward_ms(self, lens: np.ndarray, tables: np.ndarray | None = None) -> float:
         meta, positions = self.meta(self.contiguous(lens) if tables is None else tables, lens)
         ids = torch.randint(0, 1000, (len(lens),), device=self.device)
-        return replay_ms(lambda: self.model(ids, positions, self.kv, meta))
+        return bench(lambda: self.model(ids, positions, self.kv, meta), graph=True)
 
     def floor_ms(self, lens: np.ndarray) -> float:
         return self.bytes_per_token * lens.sum() / COPY_BYTES_PER_S * 1e3
-
-
-def replay_ms(fn, reps: int = 40) -> float:
-    """fn captured in a CUDA graph: milliseconds a replay, the best of three runs of `reps` replays."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        graph.replay()
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / reps)
-    return best
 
 
 def lengths(b: Bench) -> None:
     rng = np.random.default_rng(0)
     for n, lo, hi in [(256, 1024, 1024), (256, 1025, 1025), (256, 1056, 1056), (256, 1088, 1088), (256, 100, 2000)]:
         lens = rng.integers(lo, hi + 1, n)
-        print(f"{n} rows, {lo}-{hi}: {b.forward_ms(lens):.3f} ms (K/V at copy speed {b.floor_ms(lens):.2f})", flush=True)
+        print(f"{n} rows, {lo}-{hi}: {b.forward_ms(lens):.3f} ms (K/V at copy speed {b.floor_ms(lens):.2f})",
+              flush=True)
 
 
 def placement(b: Bench) -> None:
@@ -83,8 +65,9 @@ def placement(b: Bench) -> None:
     lens = np.full(n, 1056)
     width = -(-int(lens.max()) // b.bs)
     decode_blocks = n * prompt_blocks + np.arange(width - prompt_blocks)[None, :] * n + np.arange(n)[:, None]
+    prompt_tables = b.contiguous(np.full(n, prompt_blocks * b.bs))
     tables = {"contiguous": b.contiguous(lens),
-              "as the engine allocates": np.concatenate([b.contiguous(np.full(n, prompt_blocks * b.bs)), decode_blocks], 1),
+              "as the engine allocates": np.concatenate([prompt_tables, decode_blocks], 1),
               "shuffled within its span": rng.permutation(n * width).reshape(n, width),
               "shuffled over the pool": rng.permutation(b.engine.num_blocks)[: n * width].reshape(n, width)}
     print(f"{n} rows x 1056 tokens: " + ", ".join(f"{k} {b.forward_ms(lens, t):.3f} ms" for k, t in tables.items()),
@@ -116,10 +99,10 @@ def streams(b: Bench) -> None:
                 b.model(*halves[1][:2], b.kv, halves[1][2])
             main.wait_stream(side)
 
-        whole = replay_ms(lambda: b.model(ids, positions, b.kv, meta))
-        print(f"{n} rows, {lo}-{hi}: whole {whole:.3f} ms, halves one after the other "
-              f"{replay_ms(one_after_the_other):.3f} ms, halves on two streams {replay_ms(side_by_side):.3f} ms",
-              flush=True)
+        whole = bench(lambda: b.model(ids, positions, b.kv, meta), graph=True)
+        serial, overlapped = bench(one_after_the_other, graph=True), bench(side_by_side, graph=True)
+        print(f"{n} rows, {lo}-{hi}: whole {whole:.3f} ms, halves one after the other {serial:.3f} ms, "
+              f"halves on two streams {overlapped:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
