@@ -6,8 +6,10 @@ the Qwen3-0.6B shape, with metadata built here rather than by the scheduler, to 
               blocks contiguous, decode blocks interleaved), and shuffled: does block placement matter
   streams     the batch whole, as two halves one after the other, and as two halves on two streams (each
               half's latency-bound kernels beside the other's attention)
-Usage: python3 benchmarks/decode_forward.py [lengths] [placement] [streams]   (default: all three)
-Results and reasoning: benchmarks/NOTES.md, session 12.
+  write       1-256 rows with and without the rope/K-V write kernel (q passed through unrotated, nothing
+              written: wrong outputs, right timing): the most that fusing it into attention could save
+Usage: python3 benchmarks/decode_forward.py [lengths] [placement] [streams] [write]   (default: all four)
+Results and reasoning: benchmarks/NOTES.md, sessions 12 and 13.
 """
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.ops import bench  # noqa: E402
 from benchmarks.profile_decode import COPY_BYTES_PER_S, bench_engine  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
+from engine.attention import AttentionMetadata, PagedAttention  # noqa: E402
 
 
 class Bench:
@@ -105,10 +107,26 @@ def streams(b: Bench) -> None:
               f"halves on two streams {overlapped:.3f} ms", flush=True)
 
 
+def write(b: Bench) -> None:
+    rng = np.random.default_rng(0)
+    real = PagedAttention.__dict__["write"]
+    for n, lo, hi in [(256, 100, 2000), (256, 1024, 1024), (128, 300, 1500), (64, 300, 1500), (32, 500, 1500),
+                      (8, 1000, 2000), (1, 1500, 1500)]:
+        lens = rng.integers(lo, hi + 1, n)
+        whole = b.forward_ms(lens)
+        PagedAttention.write = staticmethod(lambda q, *args, **kwargs: q)
+        try:
+            without = b.forward_ms(lens)
+        finally:
+            PagedAttention.write = real
+        print(f"{n} rows, {lo}-{hi}: {whole:.3f} ms, without the write kernel {without:.3f} ms "
+              f"({(whole - without) * 1e3 / b.model.arch.num_hidden_layers:.2f} us a layer)", flush=True)
+
+
 if __name__ == "__main__":
-    questions = {"lengths": lengths, "placement": placement, "streams": streams}
-    bench = Bench()
+    questions = {"lengths": lengths, "placement": placement, "streams": streams, "write": write}
+    b = Bench()
     with torch.inference_mode():
         for name in sys.argv[1:] or list(questions):
-            questions[name](bench)
-    bench.engine.close()
+            questions[name](b)
+    b.engine.close()
