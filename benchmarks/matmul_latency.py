@@ -88,7 +88,8 @@ def l2(arch) -> None:
                     if prefetch:
                         side.wait_stream(torch.cuda.current_stream())
                         with torch.cuda.stream(side):
-                            _prefetch_kernel[(triton.cdiv(size, 32768),)](flats[layer], sink, size, BLOCK=4096, CHUNKS=8)
+                            _prefetch_kernel[(triton.cdiv(size, 32768),)](flats[layer], sink, size, BLOCK=4096,
+                                                                          CHUNKS=8)
                     if stream:
                         _stream_kernel[(triton.cdiv(buf.numel(), 8192),)](buf, sink, buf.numel(), BLOCK=8192,
                                                                           num_warps=8)
