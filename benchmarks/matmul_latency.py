@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gemm import shapes  # noqa: E402
+from benchmarks.gemm import per_matmul_s, shapes  # noqa: E402
 from benchmarks.ops import bench  # noqa: E402
 from engine.llm import engine_config  # noqa: E402
 from engine.models.loader import model_spec, resolve_model_path  # noqa: E402
@@ -27,7 +27,7 @@ DT = torch.bfloat16
 
 
 def per_matmul_us(xs, ws) -> float:
-    return bench(lambda: [F.linear(x, w) for x, w in zip(xs, ws)], graph=True) * 1e3 / len(xs)
+    return per_matmul_s(F.linear, xs, ws) * 1e6
 
 
 def blas(arch) -> None:
@@ -74,9 +74,11 @@ def l2(arch) -> None:
             print(f"{name:8s} M={M:4d}: distinct weights {per_matmul_us(xs, ws):6.2f} us, "
                   f"one weight (from L2) {per_matmul_us(xs, [ws[0]] * layers):6.2f} us", flush=True)
     order = ["o", "gate_up", "down", "qkv"]  # the matmuls from one attention to the next
-    size = sum(N * K for N, K in layer_shapes.values())
+    sizes = [N * K for N, K in layer_shapes.values()]
+    size = sum(sizes)
     flats = [torch.randn(size, device="cuda", dtype=DT) * 0.02 for _ in range(layers)]  # a layer's four weights
-    weights = [dict(zip(layer_shapes, torch.split(flat, [N * K for N, K in layer_shapes.values()]))) for flat in flats]
+    weights = [{name: w.view(shape) for (name, shape), w in zip(layer_shapes.items(), torch.split(flat, sizes))}
+               for flat in flats]
     sink, side = torch.zeros(1 << 20, device="cuda"), torch.cuda.Stream()
     for megabytes, M in ((64, 16), (256, 64), (1024, 256)):  # about a layer's K/V at M rows of 1k tokens
         buf = torch.randn(megabytes << 19, device="cuda", dtype=DT)
@@ -97,7 +99,7 @@ def l2(arch) -> None:
                         torch.cuda.current_stream().wait_stream(side)
                     if matmuls:
                         for name in order:
-                            F.linear(xs[name], weights[layer][name].view(layer_shapes[name]))
+                            F.linear(xs[name], weights[layer][name])
             return run
 
         cases = {"stream": (True, False, False), "matmuls": (False, True, False), "both": (True, True, False),
