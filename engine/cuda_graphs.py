@@ -181,17 +181,17 @@ class PiecewiseGraphs:
         norm into self.hidden)."""
         decoder = self.model.model
         if piece == 0:
-            x, residual = decoder.embed_tokens(self.inputs.input_ids[:size]), None
+            self.residual = decoder.embed_tokens(self.inputs.input_ids[:size])
         else:
-            x, residual = decoder.layers[piece - 1].after_attention(self.attn_out[:size].flatten(1), self.residual)
+            decoder.layers[piece - 1].after_attention(self.attn_out[:size].flatten(1), self.residual)
         if piece == len(decoder.layers):
-            self.hidden[:size].copy_(decoder.final_norm(x, residual))
+            self.hidden[:size].copy_(decoder.norm(self.residual))
             self.residual = None
             return
         caches = self.kv_cache.key_caches[piece], self.kv_cache.value_caches[piece]
         positions, slots = self.inputs.positions[:size], self.inputs.slot_mapping[:size]
-        _, self.residual = decoder.layers[piece].before_attention(
-            x, residual, positions, decoder.rotary, *caches, slots, q_out=self.q[:size])
+        decoder.layers[piece].before_attention(self.residual, positions, decoder.rotary, *caches, slots,
+                                               q_out=self.q[:size])
 
     def fits(self, num_tokens: int) -> bool:
         return smallest_bucket(self.buckets, num_tokens) is not None

@@ -86,27 +86,27 @@ def rms_norm(x, weight, eps, backend=None):
     return _pick(backend, x, "fused").rms_norm(x, weight, eps)
 
 
-def fused_add_rms_norm(x, residual, weight, eps, backend=None):
-    """-> (rms_norm(x + residual), x + residual); the sum is rounded to the model dtype first."""
-    return _pick(backend, x, "fused").fused_add_rms_norm(x, residual, weight, eps)
-
-
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, backend=None, *,
-                            qk_norm=None, out=None):
+                            qk_norm=None, input_norm=None, bias=None, out=None):
     """q [T, Hq, D], k and v [T, Hkv, D]: RoPE of q and k with the float32 tables cos/sin [max_pos, D] at
     positions [T], after the per-head RMSNorm over D of each when qk_norm = (q_weight [D], k_weight [D],
     eps) is given (Qwen3's QK-norm); the rotated k and v go to the cache through slot_mapping
     (write_kv_cache's contract) -> the rotated q: a new contiguous tensor, or out (a contiguous tensor
-    shaped as q) when given. One kernel on CUDA."""
+    shaped as q) when given. input_norm = (hidden [T, H], eps): q, k and v are projections of the raw
+    hidden rows, the RMSNorm before them folded into their weight, and are first scaled by each row's
+    rsqrt(mean(hidden^2) + eps); bias = (q_bias [Hq * D], k_bias [Hkv * D], v_bias [Hkv * D]) is added
+    after that (ops/fused_reference.py states the rounding). One kernel on CUDA."""
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous")
-    return _pick(backend, q, "fused").rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache,
-                                                              slot_mapping, qk_norm, out=_checked_out(out, q))
+    return _pick(backend, q, "fused").rope_and_write_kv_cache(
+        q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm, input_norm=input_norm,
+        bias=bias, out=_checked_out(out, q))
 
 
-def silu_and_mul(x, backend=None):
-    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]."""
-    return _pick(backend, x, "fused").silu_and_mul(x)
+def silu_and_mul(x, backend=None, *, input_norm=None, bias=None):
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]; with input_norm = (hidden [T, H], eps) and bias [2I], x is first
+    scaled and biased as rope_and_write_kv_cache's q."""
+    return _pick(backend, x, "fused").silu_and_mul(x, input_norm, bias)
 
 
 def gumbel_sample(logits, temperature, seed, step, backend=None):

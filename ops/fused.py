@@ -2,17 +2,20 @@
 references: ops/fused_reference.py).
 
     rms_norm(x[T,H], weight[H], eps) -> [T,H]
-    fused_add_rms_norm(x[T,H], residual[T,H], weight[H], eps) -> (normed, x + residual)
     rope_and_write_kv_cache(q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], cos[P,D], sin[P,D], positions[T],
-                            key_cache, value_cache, slot_mapping[T], qk_norm=None) -> q'
-    silu_and_mul(x[T, 2I]) -> [T, I]
+                            key_cache, value_cache, slot_mapping[T], qk_norm=None, input_norm=None,
+                            bias=None) -> q'
+    silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I]
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
 rounding steps (float32 math, casts to the model dtype where the torch code casts). None of them
 synchronises with the host (grids come from shapes only), so they can be captured in CUDA graphs.
 
 Kernels:
-- rms_norm / fused_add_rms_norm: one program per row, the whole row in registers.
+- rms_norm: one program per row, the whole row in registers.
+- input_norm (the RMSNorm folded into the projection before rope_and_write_kv_cache and silu_and_mul):
+  each program reads its token's hidden row whole and computes the row's scale itself, which costs
+  less than a norm kernel of its own (a decode step's ~2 us kernel and ~1 us gap, twice a layer).
 - rope_and_write_kv_cache: one program per (token, group of heads), QK-norm a compile-time switch;
   each element also loads its rotary partner (d +- D/2) and normalises it with the same per-head
   scale, so no shuffle is needed. A program of k heads stores them, rotated, straight into the cache
@@ -31,24 +34,14 @@ def _num_warps(block):
 
 
 # --------------------------------------------------------------------------------------------
-# rms_norm, fused_add_rms_norm
+# rms_norm, and the input norm's scale of a row
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    n_cols, eps,
-    s_x, s_xc, s_r, s_rc, s_o, s_oc, s_ro, s_roc,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, s_x, s_xc, s_o, s_oc, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * s_x + cols * s_xc, mask=mask, other=0.0)
-    if HAS_RES:
-        r = tl.load(res_ptr + row * s_r + cols * s_rc, mask=mask, other=0.0)
-        # x + residual in the model dtype (the unfused code's `x = x + attn_out`)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * s_ro + cols * s_roc, x, mask=mask)
     x32 = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x32 * x32, 0) / n_cols + eps)
     y = (x32 * inv).to(x.dtype).to(tl.float32)  # cast to x's dtype before the weight, as HF does
@@ -56,42 +49,56 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * s_o + cols * s_oc, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rms_norm_launch(x, residual, weight, eps):
-    T, H = x.shape
-    weight = weight.contiguous()
-    out = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    if residual is None:
-        res_in, res_out = x, out  # unused (HAS_RES=False)
-    else:
-        res_in = residual
-        res_out = torch.empty((T, H), dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    if T > 0:
-        block = triton.next_power_of_2(H)
-        _rms_norm_kernel[(T,)](
-            x, res_in, weight, out, res_out, H, float(eps),
-            *x.stride(), *res_in.stride(), *out.stride(), *res_out.stride(),
-            HAS_RES=residual is not None, BLOCK=block, num_warps=_num_warps(block),
-        )
-    return out, res_out
+@triton.jit
+def _inv_rms(row_ptr, s_c, n_cols, eps, BLOCK: tl.constexpr):
+    """rsqrt(mean(row^2) + eps) of one row of n_cols elements, in float32."""
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + cols * s_c, mask=cols < n_cols, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
 
 
 def rms_norm(x, weight, eps):
-    return _rms_norm_launch(x, None, weight, eps)[0]
+    T, H = x.shape
+    weight = weight.contiguous()
+    out = torch.empty((T, H), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if T > 0:
+        block = triton.next_power_of_2(H)
+        _rms_norm_kernel[(T,)](x, weight, out, H, float(eps), *x.stride(), *out.stride(), BLOCK=block,
+                               num_warps=_num_warps(block))
+    return out
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
-    return _rms_norm_launch(x, residual, weight, eps)
+def _input_norm_args(input_norm, x):
+    """(hidden, its strides, eps, BLOCK) of an op's input_norm = (hidden [T, H], eps); placeholders for None."""
+    if input_norm is None:
+        return x, 0, 0, 0, 0.0, 1
+    hidden, eps = input_norm
+    return hidden, hidden.shape[1], *hidden.stride(), float(eps), triton.next_power_of_2(hidden.shape[1])
 
 
 # --------------------------------------------------------------------------------------------
 # rope_and_write_kv_cache
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _projection(x_ptr, x_offs, b_ptr, b_offs, mask, inv, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A projection's elements at x_ptr + x_offs, as the unfolded layers round them: the matmul of the
+    normalised hidden row (x * inv, in the model dtype), plus the bias at b_ptr + b_offs; in float32."""
+    dt = x_ptr.dtype.element_ty
+    y = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if INPUT_NORM:
+        y = (y * inv).to(dt).to(tl.float32)
+    if HAS_BIAS:
+        y = (y + tl.load(b_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _rope_heads(
-    x_ptr, o_ptr, w_ptr, cos_row, sin_row, s_cd,
+    x_ptr, b_ptr, o_ptr, w_ptr, cos_row, sin_row, s_cd,
     s_xh, s_xd, s_oh, s_od,
-    h0, n_heads, eps, live,
-    NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    h0, n_heads, eps, inv, live,
+    NORM: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Heads h0 .. h0 + BLOCK_H of one token, rotated, stored at o_ptr when live is nonzero."""
     h = h0 + tl.arange(0, BLOCK_H)[:, None]
@@ -101,15 +108,15 @@ def _rope_heads(
     first = d < HEAD_DIM // 2
     pd = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # rotary partner of d
     dt = x_ptr.dtype.element_ty
-    y = tl.load(x_ptr + h * s_xh + d * s_xd, mask=mask, other=0.0).to(tl.float32)
-    yp = tl.load(x_ptr + h * s_xh + pd * s_xd, mask=mask, other=0.0).to(tl.float32)
+    y = _projection(x_ptr, h * s_xh + d * s_xd, b_ptr, h * HEAD_DIM + d, mask, inv, INPUT_NORM, HAS_BIAS)
+    yp = _projection(x_ptr, h * s_xh + pd * s_xd, b_ptr, h * HEAD_DIM + pd, mask, inv, INPUT_NORM, HAS_BIAS)
     if NORM:
-        inv = tl.rsqrt(tl.sum(y * y, 1) / HEAD_DIM + eps)[:, None]
+        inv_head = tl.rsqrt(tl.sum(y * y, 1) / HEAD_DIM + eps)[:, None]
         w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + pd, mask=d_mask, other=0.0).to(tl.float32)
         # RMSNorm with the unfused rounding: weight * (x * inv).to(dtype), rounded to the dtype
-        y = (w * (y * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        yp = (wp * (yp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y = (w * (y * inv_head).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        yp = (wp * (yp * inv_head).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     rot = tl.where(first, -yp, yp)  # rotate_half: cat(-x2, x1)
     c = tl.load(cos_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
     s = tl.load(sin_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
@@ -120,45 +127,51 @@ def _rope_heads(
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
-    num_q_heads, num_kv_heads, eps,
-    s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
+    q_ptr, k_ptr, v_ptr, qb_ptr, kb_ptr, vb_ptr, hid_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+    qo_ptr, kc_ptr, vc_ptr,
+    num_q_heads, num_kv_heads, n_hidden, eps, hid_eps,
+    s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ht, s_hc,
     s_qot, s_qoh, s_qod,
     s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
     s_cp, s_cd,
-    NORM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    NORM: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos_row = cos_ptr + pos * s_cp
     sin_row = sin_ptr + pos * s_cp
+    inv = 1.0
+    if INPUT_NORM:
+        inv = _inv_rms(hid_ptr + t * s_ht, s_hc, n_hidden, hid_eps, BLOCK_HIDDEN)
     q_groups = tl.cdiv(num_q_heads, BLOCK_H)
     if g < q_groups:
-        _rope_heads(q_ptr + t * s_qt, qo_ptr + t * s_qot, qw_ptr, cos_row, sin_row, s_cd,
-                    s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps, 1,
-                    NORM, HEAD_DIM, BLOCK_H, BLOCK_D)
+        _rope_heads(q_ptr + t * s_qt, qb_ptr, qo_ptr + t * s_qot, qw_ptr, cos_row, sin_row, s_cd,
+                    s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps, inv, 1,
+                    NORM, INPUT_NORM, HAS_BIAS, HEAD_DIM, BLOCK_H, BLOCK_D)
     else:
         h0 = (g - q_groups) * BLOCK_H
         slot = tl.load(slot_ptr + t).to(tl.int64)
         live = (slot >= 0).to(tl.int32)  # slot -1: the token writes nothing
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
-        _rope_heads(k_ptr + t * s_kt, kc_ptr + blk * s_kcb + off * s_kct, kw_ptr, cos_row, sin_row, s_cd,
-                    s_kh, s_kd, s_kch, s_kcd, h0, num_kv_heads, eps, live,
-                    NORM, HEAD_DIM, BLOCK_H, BLOCK_D)
+        _rope_heads(k_ptr + t * s_kt, kb_ptr, kc_ptr + blk * s_kcb + off * s_kct, kw_ptr, cos_row, sin_row, s_cd,
+                    s_kh, s_kd, s_kch, s_kcd, h0, num_kv_heads, eps, inv, live,
+                    NORM, INPUT_NORM, HAS_BIAS, HEAD_DIM, BLOCK_H, BLOCK_D)
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_kv_heads) & (d < HEAD_DIM) & ((live + 0 * h) != 0)
-        v = tl.load(v_ptr + t * s_vt + h * s_vh + d * s_vd, mask=mask)
+        v = _projection(v_ptr + t * s_vt, h * s_vh + d * s_vd, vb_ptr, h * HEAD_DIM + d, mask, inv,
+                        INPUT_NORM, HAS_BIAS)
         tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None,
-                            out=None):
-    """qk_norm: None for RoPE alone, else (q_weight, k_weight, eps) of the QK-norm before it; out: where the
-    rotated q goes (None: a new tensor)."""
+                            input_norm=None, bias=None, out=None):
+    """qk_norm: None for RoPE alone, else (q_weight, k_weight, eps) of the QK-norm before it; input_norm:
+    (hidden, eps) of the RMSNorm folded into the projections, or None; bias: (q_bias, k_bias, v_bias) or
+    None; out: where the rotated q goes (None: a new tensor)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and k.shape[2] == D and cos.shape[1] == D and sin.stride() == cos.stride()
@@ -166,6 +179,8 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
         q_weight, k_weight, eps = qk_norm[0].contiguous(), qk_norm[1].contiguous(), qk_norm[2]
     else:
         q_weight, k_weight, eps = q, k, 0.0  # unused (NORM=False)
+    q_bias, k_bias, v_bias = (b.contiguous() for b in bias) if bias is not None else (q, q, q)  # unused without
+    hidden, n_hidden, s_ht, s_hc, hidden_eps, block_hidden = _input_norm_args(input_norm, q)
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if T == 0:
         return q_out
@@ -173,12 +188,12 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
     block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 2048 // block_d))
     grid = (T, triton.cdiv(Hq, block_h) + triton.cdiv(Hkv, block_h))
     _rope_kernel[grid](
-        q, k, v, q_weight, k_weight, cos, sin, positions, slot_mapping, q_out, key_cache, value_cache,
-        Hq, Hkv, float(eps),
-        *q.stride(), *k.stride(), *v.stride(), *q_out.stride(), *key_cache.stride(), *value_cache.stride(),
-        *cos.stride(),
-        NORM=qk_norm is not None, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=key_cache.shape[2],
-        num_warps=4,
+        q, k, v, q_bias, k_bias, v_bias, hidden, q_weight, k_weight, cos, sin, positions, slot_mapping, q_out,
+        key_cache, value_cache, Hq, Hkv, n_hidden, float(eps), hidden_eps,
+        *q.stride(), *k.stride(), *v.stride(), s_ht, s_hc, *q_out.stride(), *key_cache.stride(),
+        *value_cache.stride(), *cos.stride(),
+        NORM=qk_norm is not None, INPUT_NORM=input_norm is not None, HAS_BIAS=bias is not None, HEAD_DIM=D,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HIDDEN=block_hidden, BLOCK_SIZE=key_cache.shape[2], num_warps=4,
     )
     return q_out
 
@@ -187,24 +202,33 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
 # silu_and_mul
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_inter, s_x, s_xc, s_o, s_oc, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, b_ptr, hid_ptr, out_ptr, n_inter, n_hidden, hid_eps, s_x, s_xc, s_ht, s_hc, s_o, s_oc,
+                         INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_HIDDEN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
-    gate = tl.load(x_ptr + row * s_x + cols * s_xc, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * s_x + (cols + n_inter) * s_xc, mask=mask, other=0.0).to(tl.float32)
+    inv = 1.0
+    if INPUT_NORM:
+        inv = _inv_rms(hid_ptr + row * s_ht, s_hc, n_hidden, hid_eps, BLOCK_HIDDEN)
+    x_row = x_ptr + row * s_x
+    gate = _projection(x_row, cols * s_xc, b_ptr, cols, mask, inv, INPUT_NORM, HAS_BIAS)
+    up = _projection(x_row, (cols + n_inter) * s_xc, b_ptr, cols + n_inter, mask, inv, INPUT_NORM, HAS_BIAS)
     act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)  # F.silu, rounded
     tl.store(out_ptr + row * s_o + cols * s_oc, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x):
+def silu_and_mul(x, input_norm=None, bias=None):
     T, two_i = x.shape
     inter = two_i // 2
     out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
     if T == 0 or inter == 0:
         return out
+    hidden, n_hidden, s_ht, s_hc, hidden_eps, block_hidden = _input_norm_args(input_norm, x)
     block = min(1024, triton.next_power_of_2(inter))
     _silu_and_mul_kernel[(T, triton.cdiv(inter, block))](
-        x, out, inter, *x.stride(), *out.stride(), BLOCK=block, num_warps=4,
+        x, x if bias is None else bias.contiguous(), hidden, out, inter, n_hidden, hidden_eps, *x.stride(),
+        s_ht, s_hc, *out.stride(), INPUT_NORM=input_norm is not None, HAS_BIAS=bias is not None, BLOCK=block,
+        BLOCK_HIDDEN=block_hidden, num_warps=4,
     )
     return out

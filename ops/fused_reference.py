@@ -5,14 +5,21 @@ torch backend gives bit-identical results to them:
 
     rms_norm(x[T,H], weight[H], eps) -> [T,H]
         weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)   (Hugging Face order)
-    fused_add_rms_norm(x[T,H], residual[T,H], weight[H], eps) -> (rms_norm(x + residual), x + residual)
     rope_and_write_kv_cache(q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], cos[P,D], sin[P,D], positions[T],
-                            key_cache, value_cache, slot_mapping[T], qk_norm=None) -> q':
+                            key_cache, value_cache, slot_mapping[T], qk_norm=None, input_norm=None,
+                            bias=None) -> q':
         rope(q, k) = x*cos + rotate_half(x)*sin with the float32 tables cast to the model dtype first,
         rotate_half(x) = cat(-x2, x1); with qk_norm = (q_weight[D], k_weight[D], eps), rope of the
         per-head rms_norm over D of each (Qwen3's QK-norm). k' and v are written to the cache through
         slot_mapping (write_kv_cache of ops/paged_attention_reference.py); q' is returned.
-    silu_and_mul(x[T, 2I]) -> [T, I] = silu(x[:, :I]) * x[:, I:]
+    silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I] = silu(x[:, :I]) * x[:, I:]
+
+Folded input norm. Given input_norm = (hidden[T,H], eps), q, k, v (or x) are projections of the raw
+hidden rows by weights that already hold the preceding RMSNorm's weight (W * norm_weight, column-wise),
+and each token's values are first scaled by rsqrt(mean(hidden.float()^2) + eps) and rounded to the dtype:
+what the unfolded layers compute, W @ rms_norm(hidden), up to rounding (the projection no longer sees a
+rounded normalised row). bias (q_bias[Hq*D], k_bias[Hkv*D], v_bias[Hkv*D]; for silu_and_mul [2I]) is
+added after that scaling, as the unfolded projection's bias.
 """
 import torch
 import torch.nn.functional as F
@@ -26,9 +33,15 @@ def rms_norm(x, weight, eps):
     return weight * x32.to(x.dtype)
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
-    residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+def input_normed(x, input_norm, bias):
+    """x [T, ...], a projection of hidden rows with the RMSNorm folded into its weight -> the unfolded
+    projection's output (see the module's docstring)."""
+    if input_norm is not None:
+        hidden, eps = input_norm
+        h = hidden.float()
+        inv = torch.rsqrt(h.pow(2).mean(-1) + eps).view(-1, *[1] * (x.dim() - 1))
+        x = (x.float() * inv).to(x.dtype)
+    return x if bias is None else x + bias.view(x.shape[1:])
 
 
 def _rotate(x, cos, sin):
@@ -42,7 +55,8 @@ def rope(q, k, cos, sin, positions):
 
 
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None,
-                            out=None):
+                            input_norm=None, bias=None, out=None):
+    q, k, v = (input_normed(x, input_norm, b) for x, b in zip((q, k, v), bias or (None, None, None)))
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
@@ -51,6 +65,6 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
     return q if out is None else out.copy_(q)
 
 
-def silu_and_mul(x):
-    gate, up = x.chunk(2, dim=-1)
+def silu_and_mul(x, input_norm=None, bias=None):
+    gate, up = input_normed(x, input_norm, bias).chunk(2, dim=-1)
     return F.silu(gate) * up

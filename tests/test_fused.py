@@ -118,21 +118,6 @@ def test_rms_norm(gen, backend, dtype, T, H):
     check_unfused(out, unfused, backend, dtype, gen, "rms_norm")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T,H", [(1, 96), (7, 1024), (33, 96)])
-def test_fused_add_rms_norm(gen, backend, dtype, T, H):
-    x = randn(gen, T, H, dtype=dtype, pad=3)
-    residual = randn(gen, T, H, dtype=dtype, scale=2.0, pad=7)
-    w = randn(gen, H, dtype=dtype)
-    normed, new_residual = ops.fused_add_rms_norm(x, residual, w, EPS, backend=backend)
-    # the sum is rounded to the model dtype, exactly as the unfused `x = x + attn_out`
-    assert torch.equal(new_residual, x + residual), f"residual (seed={gen.initial_seed()})"
-    check(normed, oracle_rms_norm(x + residual, w, EPS), dtype, gen, "normed vs float64")
-    unfused = unfused_rms_norm(x + residual, w, EPS)
-    check_unfused(normed, unfused, backend, dtype, gen, "normed")
-
-
 # --- rope_and_write_kv_cache ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -200,6 +185,50 @@ def test_rope_into_out(gen, backend):
                                     out=torch.empty(2 * T, Hq, D, device=DEVICE)[::2])
 
 
+def folded_projection(gen, dtype, T, H, out_features, bias):
+    """The projection of raw hidden rows by a weight that holds the RMSNorm's weight, as the engine computes
+    it, -> (projection [T, out_features] in dtype, hidden, bias or None, the float64 oracle of the unfolded
+    layers: the RMSNorm of hidden, then the projection with its bias)."""
+    hidden = randn(gen, T, H, dtype=dtype, scale=3.0, pad=5)
+    norm_weight = (torch.rand(H, generator=gen) + 0.5).to(DEVICE)
+    weight = randn(gen, out_features, H, scale=H**-0.5)
+    b = randn(gen, out_features, dtype=dtype) if bias else None
+    projection = torch.nn.functional.linear(hidden, (weight * norm_weight).to(dtype))
+    oracle = oracle_rms_norm(hidden, norm_weight, EPS) @ weight.double().T
+    return projection, hidden, b, oracle if b is None else oracle + b.double()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hq,Hkv,D", [(1, 96, 4, 2, 64), (7, 1024, 8, 1, 128), (5, 160, 4, 2, 24)])
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm_rope", "rope"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_rope_after_a_folded_input_norm(gen, backend, dtype, T, H, Hq, Hkv, D, qk_norm, bias):
+    """input_norm and bias: q, k and v are projections of raw hidden rows by weights holding the RMSNorm's
+    weight; the op applies the norm's row scale and the bias before the QK-norm and RoPE, so that the
+    rotated q, k and the cached v are the unfolded layers' (a float64 oracle of RMSNorm, projection, bias,
+    QK-norm, RoPE)."""
+    max_pos, block_size = 512, 4
+    rotary = RotaryEmbedding(D, Rope(1e6), max_pos).to(DEVICE)
+    qkv, hidden, b, oracle = folded_projection(gen, dtype, T, H, (Hq + 2 * Hkv) * D, bias)
+    sizes = [Hq * D, Hkv * D, Hkv * D]
+    (q, k, v), (q_ref, k_ref, v_ref) = (x.split(sizes, dim=-1) for x in (qkv, oracle))
+    q, k, v = q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+    q_w, k_w = randn(gen, D, dtype=dtype), randn(gen, D, dtype=dtype)
+    positions = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
+    slots = torch.randperm(T * block_size, generator=gen)[:T].to(torch.int32).to(DEVICE)
+    key_cache, value_cache = (torch.full((T, Hkv, block_size, D), NAN, dtype=dtype, device=DEVICE) for _ in range(2))
+    q_out = ops.rope_and_write_kv_cache(
+        q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache, slots, backend=backend,
+        qk_norm=(q_w, k_w, EPS) if qk_norm else None, input_norm=(hidden, EPS),
+        bias=None if b is None else b.split(sizes))
+    k_out, v_out = (c.permute(0, 2, 1, 3).reshape(-1, Hkv, D)[slots.long()] for c in (key_cache, value_cache))
+    for out, ref, w, what in ((q_out, q_ref.reshape(T, Hq, D), q_w, "q"), (k_out, k_ref.reshape(T, Hkv, D), k_w, "k")):
+        ref = oracle_rms_norm(ref, w, EPS) if qk_norm else ref
+        check(out, oracle_rope(ref, rotary.cos, rotary.sin, positions), dtype, gen, f"{what} vs float64")
+    check(v_out, v_ref.reshape(T, Hkv, D), dtype, gen, "v vs float64")
+
+
 # --- silu_and_mul --------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -211,6 +240,18 @@ def test_silu_and_mul(gen, backend, dtype, T, inter):
     check(out, gate / (1 + torch.exp(-gate)) * up, dtype, gen, "silu_and_mul vs float64")
     unfused = torch.nn.functional.silu(x[:, :inter]) * x[:, inter:]
     check_unfused(out, unfused, backend, dtype, gen, "silu_and_mul")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,inter", [(1, 96, 70), (7, 1024, 1024), (3, 160, 3000)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_silu_and_mul_after_a_folded_input_norm(gen, backend, dtype, T, H, inter, bias):
+    """input_norm and bias as in rope_and_write_kv_cache: silu(gate) * up of the unfolded layers (float64)."""
+    x, hidden, b, oracle = folded_projection(gen, dtype, T, H, 2 * inter, bias)
+    out = ops.silu_and_mul(x, backend=backend, input_norm=(hidden, EPS), bias=b)
+    gate, up = oracle[:, :inter], oracle[:, inter:]
+    check(out, gate / (1 + torch.exp(-gate)) * up, dtype, gen, "silu_and_mul vs float64")
 
 
 # --- the model with the Triton backend -----------------------------------------------------
@@ -262,9 +303,11 @@ def test_no_host_synchronisation(gen):
     torch.cuda.set_sync_debug_mode("error")
     try:
         ops.rms_norm(x, w, EPS)
-        ops.fused_add_rms_norm(x, r, w, EPS)
         for norm in ((qkw, qkw, EPS), None):
             ops.rope_and_write_kv_cache(q, k, k, rotary.cos, rotary.sin, positions, cache, cache, slots, qk_norm=norm)
+            ops.rope_and_write_kv_cache(q, k, k, rotary.cos, rotary.sin, positions, cache, cache, slots, qk_norm=norm,
+                                        input_norm=(x, EPS), bias=(q.flatten()[:Hq * D], k.flatten(), k.flatten()))
         ops.silu_and_mul(x)
+        ops.silu_and_mul(x, input_norm=(r, EPS), bias=w)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -16,13 +16,15 @@ loader: packed_modules_mapping and each PackedLinear's shards.
 """
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 import ops
 from engine.attention import PagedAttention
 from engine.config import ConfigError
 from engine.kv_cache import KVCacheSpec
-from engine.models.layers import PackedLinear, RMSNorm
+from engine.models.layers import PackedLinear, RMSNorm, add_linear_
 from engine.models.rope import Rope, RotaryEmbedding, rope_from_config
 
 
@@ -57,15 +59,17 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
 
-    def rotated_q(self, x, positions, rotary, key_cache, value_cache, slot_mapping, out=None):
-        """The projections, then (in one kernel) the QK-norm, RoPE and the step's K/V into the cache ->
-        the rotated q [T, Hq, D] (into out when given)."""
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+    def rotated_q(self, hidden, input_norm_eps, positions, rotary, key_cache, value_cache, slot_mapping, out=None):
+        """The projections of the residual stream hidden [T, hidden_size] (the layer's input RMSNorm folded
+        into qkv_proj's weight), then, in one kernel, the norm's row scale, the bias, the QK-norm, RoPE and
+        the step's K/V into the cache -> the rotated q [T, Hq, D] (into out when given)."""
+        q, k, v = F.linear(hidden, self.qkv_proj.weight).split(self.qkv_proj.output_sizes, dim=-1)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        # q_norm / k_norm, then RoPE, in the attention's first kernel (the same rounding steps as the modules)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-        return self.attn.write(q, k, v, positions, rotary, key_cache, value_cache, slot_mapping, qk_norm, out)
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.shards(self.qkv_proj.bias)
+        return self.attn.write(q, k, v, positions, rotary, key_cache, value_cache, slot_mapping, qk_norm,
+                               (hidden, input_norm_eps), bias, out)
 
 
 class DecoderMLP(nn.Module):
@@ -74,11 +78,21 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = PackedLinear(arch.hidden_size, [arch.intermediate_size] * 2, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # silu(gate) * up
+    def add_to(self, hidden, input_norm_eps):
+        """hidden += down(silu(gate) * up) of the RMSNorm of hidden, in place (the norm folded into
+        gate_up_proj's weight, its row scale in the SiLU's kernel)."""
+        gate_up = F.linear(hidden, self.gate_up_proj.weight)
+        act = ops.silu_and_mul(gate_up, input_norm=(hidden, input_norm_eps), bias=self.gate_up_proj.bias)
+        add_linear_(hidden, act, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
+    """A layer over the residual stream, which it updates in place. Once fold_norm_weights has run (the loader
+    runs it), each RMSNorm's weight lives in the projection after it and the norm itself holds ones: the
+    projections read the raw stream, and the kernel after each (the RoPE's, the SiLU's) applies the row
+    scale rsqrt(mean(x^2) + eps). A decode step saves two norm kernels a layer; the sums into the stream
+    happen in o_proj's and down_proj's matmuls (add_linear_)."""
+
     def __init__(self, arch: DecoderArch):
         super().__init__()
         self.self_attn = DecoderAttention(arch)
@@ -86,24 +100,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rotary, key_cache, value_cache, meta):
-        """(x, residual) -> (mlp_out, residual): the residual stream is x + residual (None in the first
-        layer), added in the next norm's kernel; the caller adds the last mlp_out in the final norm."""
-        q, residual = self.before_attention(x, residual, positions, rotary, key_cache, value_cache, meta.slot_mapping)
-        return self.after_attention(self.self_attn.attn.attend(q, key_cache, value_cache, meta), residual)
+    def forward(self, hidden, positions, rotary, key_cache, value_cache, meta):
+        """The residual stream hidden [T, hidden_size], updated in place and returned."""
+        q = self.before_attention(hidden, positions, rotary, key_cache, value_cache, meta.slot_mapping)
+        return self.after_attention(self.self_attn.attn.attend(q, key_cache, value_cache, meta), hidden)
 
-    def before_attention(self, x, residual, positions, rotary, key_cache, value_cache, slot_mapping, q_out=None):
-        """-> (rotated q, residual): everything before attention proper, which needs only the step's tokens."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        return self.self_attn.rotated_q(x, positions, rotary, key_cache, value_cache, slot_mapping, q_out), residual
+    def before_attention(self, hidden, positions, rotary, key_cache, value_cache, slot_mapping, q_out=None):
+        """-> the rotated q: everything before attention proper, which needs only the step's tokens."""
+        return self.self_attn.rotated_q(hidden, self.input_layernorm.eps, positions, rotary, key_cache, value_cache,
+                                        slot_mapping, q_out)
 
-    def after_attention(self, attn_out, residual):
-        """attention output [T, Hq * D] -> (mlp_out, residual)."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
-        return self.mlp(x), residual
+    def after_attention(self, attn_out, hidden):
+        """attention output [T, Hq * D]: hidden += o_proj(attn_out), then hidden += mlp(norm(hidden)) -> hidden."""
+        add_linear_(hidden, attn_out, self.self_attn.o_proj)
+        self.mlp.add_to(hidden, self.post_attention_layernorm.eps)
+        return hidden
+
+    def fold_norm_weights(self) -> None:
+        self.input_layernorm.fold_into(self.self_attn.qkv_proj)
+        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
 
 
 class DecoderModel(nn.Module):
@@ -115,13 +130,10 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope, max_positions)
 
     def forward(self, input_ids, positions, kv_cache, meta):
-        x, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)
         for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
-            x, residual = layer(x, residual, positions, self.rotary, key_cache, value_cache, meta)
-        return self.final_norm(x, residual)
-
-    def final_norm(self, x, residual):
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+            layer(hidden, positions, self.rotary, key_cache, value_cache, meta)
+        return self.norm(hidden)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -142,6 +154,13 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_cache, meta):
         """Final hidden states [T, hidden_size]; compute_logits takes the rows that need logits."""
         return self.model(input_ids, positions, kv_cache, meta)
+
+    @torch.no_grad()
+    def fold_norm_weights(self) -> None:
+        """Each layer's two RMSNorm weights into the projections after them (DecoderLayer says why): the
+        function the model computes is unchanged, and its state dict still describes it (norms of ones)."""
+        for layer in self.model.layers:
+            layer.fold_norm_weights()
 
     def compute_logits(self, hidden):
         """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them."""

@@ -1,5 +1,6 @@
-"""Layers shared by the decoders: RMSNorm over the fused norm kernels, and PackedLinear, several
-checkpoint projections of the same input computed as one matmul."""
+"""Layers shared by the decoders: RMSNorm over the fused norm kernel (and its weight folded into a linear
+layer), add_linear_ (a residual sum inside a matmul), and PackedLinear, several checkpoint projections of the
+same input computed as one matmul."""
 import torch
 from torch import nn
 
@@ -12,12 +13,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), one kernel (ops.rms_norm).
-        With residual: (norm(x + residual), x + residual), the sum in the model dtype."""
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor):
+        """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), one kernel (ops.rms_norm)."""
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def fold_into(self, linear: nn.Linear) -> None:
+        """Moves this norm's weight into the columns of the linear layer that reads the norm's output (W ->
+        W * weight), leaving ones: linear(norm(x)) = linear'(x) * rsqrt(mean(x^2) + eps), plus the bias."""
+        linear.weight.mul_(self.weight)
+        self.weight.fill_(1.0)
+
+
+def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """residual += linear(x), in place: the matmul adds into residual as it writes (addmm's beta = 1), so
+    the sum takes no kernel of its own."""
+    residual.addmm_(x, linear.weight.t())
+    return residual if linear.bias is None else residual.add_(linear.bias)
 
 
 class PackedLinear(nn.Linear):
@@ -33,3 +44,6 @@ class PackedLinear(nn.Linear):
     def shard(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
         """The rows of shard `index` of this layer's weight or bias (a view)."""
         return tensor.narrow(0, sum(self.output_sizes[:index]), self.output_sizes[index])
+
+    def shards(self, tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self.shard(tensor, index) for index in range(len(self.output_sizes)))

@@ -200,7 +200,8 @@ def init_random_weights(model: DecoderForCausalLM, seed: int, std: float) -> Non
 
 
 def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[DecoderForCausalLM, list[int]]:
-    """The model on `device` in `dtype`, and its EOS token ids."""
+    """The model on `device` in `dtype`, its norm weights folded (in float32, before the cast), and its EOS
+    token ids."""
     path = resolve_model_path(model_cfg)
     if path:
         check_checkpoint(path)
@@ -211,6 +212,7 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[De
         load_weights(model, path)
     else:
         init_random_weights(model, model_cfg.seed, model_cfg.initializer_range)
+    model.fold_norm_weights()
     return model.requires_grad_(False).to(device=device, dtype=dtype).eval(), eos
 
 
