@@ -103,10 +103,18 @@ def test_an_interrupt_during_a_flush_saves_each_row_once(make_config, tmp_path, 
 
     def write_then_interrupt(*args, **kwargs):
         write(*args, **kwargs)  # the part is on disk, the buffer not yet cleared
+        # The kernel runs a signal's C handler in the receiving thread when that thread next runs, and Python
+        # its handler in the main thread after that: wait until the handler in place (the writer's) has taken
+        # it, or the interrupt could land after the flush (2 runs of 15 on a 2-core machine, and once in CI).
+        in_place, taken = signal.getsignal(signal.SIGINT), threading.Event()
+        signal.signal(signal.SIGINT, lambda signum, frame: (taken.set(), in_place(signum, frame)))
         if receiver == "this thread":
             os.kill(os.getpid(), signal.SIGINT)
         else:
             signal.pthread_kill(other.ident, signal.SIGINT)
+        while not taken.is_set():
+            time.sleep(0.001)
+        signal.signal(signal.SIGINT, in_place)
 
     monkeypatch.setattr(jobs.results, "write_atomic", write_then_interrupt)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
