@@ -8,7 +8,8 @@ references: ops/fused_reference.py).
     silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I]
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
-rounding steps (float32 math, casts to the model dtype where the torch code casts). None of them
+rounding steps (float32 math, casts to the model dtype where the torch code casts; a folded input norm's
+rounding: ops/fused_reference.py). None of them
 synchronises with the host (grids come from shapes only), so they can be captured in CUDA graphs.
 
 Kernels:
@@ -69,7 +70,8 @@ def rms_norm(x, weight, eps):
 
 
 def _input_norm_args(input_norm, x):
-    """(hidden, its strides, eps, BLOCK) of an op's input_norm = (hidden [T, H], eps); placeholders for None."""
+    """(hidden, H, its two strides, eps, BLOCK) of an op's input_norm = (hidden [T, H], eps); placeholders
+    for None."""
     if input_norm is None:
         return x, 0, 0, 0, 0.0, 1
     hidden, eps = input_norm
