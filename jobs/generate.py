@@ -11,11 +11,12 @@ or non-UTF-8 prompt, too long, a bad per-row value) is written with finish_reaso
 every other row completes.
 
 Output (jobs/results.py): rows are saved in parts as they finish, carrying their input row number; a run
-started again with the same hydra.run.dir skips the rows saved (after checking the settings and the input's
-fingerprint), and the final file is written at the end in input order, one row per input row and sample
-(SamplingParams.n; all the samples of a row are saved together, so a resume keeps exactly one of each), with
-the input's extra columns (job.keep_columns) beside the results: generations.parquet, or generations.jsonl in
-the OpenAI batch output format (job.output_format=openai). <run dir>/.minipaged.lock is held for the whole
+started again with the same hydra.run.dir skips the rows saved (after checking the settings, the input's
+fingerprint and the model's: the sampling values in effect and model.path's files), and the final file is
+written at the end in input order, one row per input row and sample (SamplingParams.n; all the samples of
+a row are saved together, so a resume keeps exactly one of each), with the input's extra columns
+(job.keep_columns) beside the results: generations.parquet, or generations.jsonl in the OpenAI batch output
+format (job.output_format=openai). <run dir>/.minipaged.lock is held for the whole
 run: a second run on the same directory stops at once. SIGINT and SIGTERM stop the run after saving what
 finished; a write that fails (a full disk, a read-only directory) stops it, keeping the parts saved before.
 steps.parquet and summary.parquet describe the run that wrote them: the rows it computed (num_requests),
@@ -38,11 +39,13 @@ from engine.config import ConfigError
 from engine.engine import RequestError
 from engine.llm import LLM, Request, RequestOutput, default_sampling  # noqa: F401 (default_sampling: for the bench)
 from engine.sequence import SamplingParams
+from engine.tokenizer import load_tokenizer
 from jobs import JobError, first_line
 from jobs.common import Progress, run_dir, run_lock, run_summary, write_run_stats
-from jobs.inputs import CHAT_URL, Columns, InputFiles, check_ids, input_rows, openai_sampling, plan_columns
+from jobs.inputs import (CHAT_URL, Columns, InputFiles, body_message, check_ids, input_rows, openai_sampling,
+                         plan_columns)
 from jobs.parquet import OutputError
-from jobs.results import ResultWriter, generations_schema
+from jobs.results import ResultWriter, generations_schema, model_fingerprint, output_names
 
 log = logging.getLogger("minipaged")
 SAMPLE_INPUT = Path(__file__).with_name("sample_prompts.parquet")
@@ -80,6 +83,7 @@ def to_request(row: int, fields: dict, defaults: SamplingParams, chat_template: 
         error = f"url {fields['url']!r} is not supported, only {CHAT_URL}"
     if "messages" in fields:
         messages = fields["messages"]
+        error = error or fields.get("error")
         if messages is None:
             error = error or ("body has no messages" if "url" in fields else "prompt is null")
     elif fields["prompt"] is not None:
@@ -93,7 +97,9 @@ def to_request(row: int, fields: dict, defaults: SamplingParams, chat_template: 
     try:
         values = openai_sampling(fields["sampling"]) if "url" in fields else fields["sampling"]
         params = row_sampling(defaults, values)
-    except (RequestError, ValueError) as err:
+    except RequestError as err:  # SamplingParams' (row_sampling): a renamed body field named as the body has it
+        error = error or (body_message(str(err), fields["sampling"]) if "url" in fields else str(err))
+    except ValueError as err:  # openai_sampling's, naming the body's field already
         error = error or str(err)
     return Request(row, prompt=prompt, messages=messages, sampling_params=params, error=error)
 
@@ -154,8 +160,8 @@ def final_batches(source: InputFiles, columns: Columns) -> Iterator[pa.RecordBat
 # -- the job -----------------------------------------------------------------------------------------
 def open_input(job) -> tuple[InputFiles, Columns, pa.DataType]:
     """The input files, what each column is, and the ids' type; JobError if the input cannot be used."""
-    source = InputFiles(job.input if job.input is not None else str(SAMPLE_INPUT))
-    columns = plan_columns(job, source, reserved=set(generations_schema(pa.int64()).names))
+    source = InputFiles(job.input if job.input is not None else str(SAMPLE_INPUT), job.prompt_column)
+    columns = plan_columns(job, source, reserved=output_names())
     return source, columns, check_ids(source, columns.id)
 
 
@@ -197,7 +203,7 @@ def generate_job(cfg, directory: Path) -> None:
         with _signals_interrupt(), run_lock(directory):
             source, columns, id_type = open_input(job)
             writer = ResultWriter(directory, source.num_rows, cfg, source.fingerprint(), job.flush_every,
-                                  job.flush_interval_s)
+                                  job.flush_interval_s, model_fingerprint(cfg))
             todo = source.num_rows - writer.resumed
             if source.num_rows == 0:
                 log.warning("job.input has no rows: writing an empty output")
@@ -214,8 +220,9 @@ def generate_job(cfg, directory: Path) -> None:
             asked = {name: cfg.sampling[name] is not None or name in columns.sampling
                      for name in ("logprobs", "prompt_logprobs")}
             schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked)
+            tokenizer = load_tokenizer(cfg.model) if job.output_format == "openai" and asked["logprobs"] else None
             writer.finalize(final_batches(source, columns), final, schema, job.output_format,
-                            cfg.model.path or cfg.model.name)
+                            cfg.model.path or cfg.model.name, tokenizer)
     except KeyboardInterrupt as err:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the save short
             signal.signal(sig, signal.SIG_IGN)
@@ -243,7 +250,7 @@ def run_local(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, d
     """executor=local: the rows not saved yet through one engine in this process, then steps.parquet and
     summary.parquet."""
     job = cfg.job
-    llm = LLM.from_config(cfg)
+    llm = LLM.from_config(cfg, run_dir=directory)
     check_chat_input(job, columns, llm.check_chat_template)
     requests = (to_request(row, fields, llm.default_sampling, job.chat_template)
                 for row, fields in pending_rows(source, columns, writer))

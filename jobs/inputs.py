@@ -1,15 +1,21 @@
 """job.input: where the rows come from, what each column is, and the input's fingerprint.
 
-job.input names a Parquet file, a JSONL file (*.jsonl), a directory (every *.parquet and *.jsonl file
-below it; names starting with "." or "_" are skipped, as Spark and pyarrow do) or a glob
-(`data/part-*.parquet`). The files are read in sorted path order as one table, in record batches, and
-the rows are numbered across them (row numbers are what the saved results refer to). All files of one
-input share one format. Their schemas are unified: a column absent from a file is null there, integers
-widen to floats; a column whose types clash stops the job, naming the file.
+job.input names a Parquet file, a JSONL file (*.jsonl, or compressed: *.jsonl.gz, *.jsonl.zst,
+*.jsonl.zstd), a directory (every such file below it; names starting with "." or "_" are skipped, as Spark
+and pyarrow do) or a glob (`data/part-*.parquet`). The files are read in sorted path order as one table,
+in record batches, and the rows are numbered across them (row numbers are what the saved results refer
+to). All files of one input share one format (JSONL, compressed or not, or Parquet). Their schemas are
+unified: a column absent from a file is null there, integers widen to floats; a column whose types clash
+stops the job, naming the file. A file that is neither says what it is (empty, compressed, text, ...).
 
-JSONL is read in chunks of whole lines (CHUNK_BYTES). A first pass parses every chunk to infer one schema
-for the whole input (pyarrow's streaming reader fixes the schema from its first block, so a field that is
-missing or null in the first lines would fail later); the later passes parse each chunk again with it.
+JSONL is read in chunks of whole lines (CHUNK_BYTES, or one line when it is longer: each chunk is parsed
+as one block, so a line of any length reads). A first pass parses every chunk to infer one schema for the
+whole input (pyarrow's streaming reader fixes the schema from its first block, so a field that is missing
+or null in the first lines would fail later); the later passes parse each chunk again with it. A file
+without a line adds no rows and no columns. Message contents: OpenAI's format allows a list of parts
+([{"type": "text", "text": ...}, ...]) in place of a string, and a JSON column holds one type: when the
+first pass finds a list content anywhere, it starts again with every string content of body.messages
+(and of the prompt column's conversations) read as one text part, so that both kinds of line share a type.
 Memory: one chunk or record batch at a time, plus the id column while the ids are checked.
 
 Columns. A text input has a prompt column (job.prompt_column; string, binary decoded as UTF-8 row by
@@ -18,8 +24,11 @@ unset: column "id" when present, else row numbers) and optional per-row sampling
 SamplingParams field (ROW_SAMPLING: max_tokens, temperature, stop, n, ...). An OpenAI batch input (columns
 custom_id and body, body holding messages: `vllm run-batch`'s input) gives conversations: custom_id is the
 id, body.messages the conversation, body's other fields the per-row sampling values (openai_sampling); a
-url other than /v1/chat/completions is an error row. Every other input column is carried to
-generations.parquet (job.keep_columns: null for all, or a list).
+url other than /v1/chat/completions is an error row. A message's content is a string or a list of text
+parts, joined with newlines as vLLM joins them; a part of another type makes its row an error row. Every
+other input column is carried to generations.parquet (job.keep_columns: null for all, or a list), except
+those named like an output column (the per-row sampling columns included: they are read as values).
+Decimal values become ints when whole, else floats (int() would cut a decimal 2.5 to 2).
 
 Fingerprint (for resuming): per file, its path, size and BLAKE2b hash of every byte. A resume compares it
 with the one saved with the results and names the file that differs. Hashing reads the input once more
@@ -28,10 +37,12 @@ of the same size, and a hash of the Parquet footer would miss an edit that keeps
 statistics (one letter of an uncompressed prompt). A copy or a touch that keeps the bytes is no change.
 """
 import dataclasses
+import decimal
 import difflib
 import glob
 import hashlib
 import io
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -52,6 +63,13 @@ DEFAULT_ID_COLUMN = "id"
 ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row columns: every sampling field
 OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
+JSONL_CODECS = {".jsonl": None, ".jsonl.gz": "gzip", ".jsonl.zst": "zstd", ".jsonl.zstd": "zstd"}  # by name
+PART_LISTS = re.compile(rb'"content"\s*:\s*\[')  # a message content given as a list of parts
+MAGIC = {b"\x1f\x8b": "gzip-compressed (a gzip-compressed JSONL file must be named *.jsonl.gz)",
+         b"\x28\xb5\x2f\xfd": "zstd-compressed (a zstd-compressed JSONL file must be named *.jsonl.zst)",
+         b"BZh": "bzip2-compressed, which is not supported (recompress it as *.jsonl.gz or *.jsonl.zst)",
+         b"\xfd7zXZ": "xz-compressed, which is not supported (recompress it as *.jsonl.gz or *.jsonl.zst)",
+         b"PK\x03\x04": "a zip archive, which is not supported (unpack it)"}
 
 
 def _is_text(kind: pa.DataType) -> bool:
@@ -61,6 +79,33 @@ def _is_text(kind: pa.DataType) -> bool:
 def _plain_type(kind: pa.DataType) -> pa.DataType:
     """Dictionary-encoded columns (pandas categories) read as their values."""
     return kind.value_type if pa.types.is_dictionary(kind) else kind
+
+
+def is_jsonl(path: Path) -> bool:
+    return any(path.name.endswith(suffix) for suffix in JSONL_CODECS)
+
+
+def jsonl_codec(path: Path) -> str | None:
+    """The compression of a JSONL file, from its name (None: plain)."""
+    return next(codec for suffix, codec in JSONL_CODECS.items() if path.name.endswith(suffix))
+
+
+def what_file(path: Path) -> str:
+    """What a file that is not readable Parquet holds, from its first bytes, in words."""
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if not head:
+        return "it is empty (0 bytes)"
+    kind = next((what for magic, what in MAGIC.items() if head.startswith(magic)), None)
+    if kind:
+        return f"it is {kind}"
+    try:
+        first = head.decode("utf-8").splitlines()[0]
+    except UnicodeDecodeError:
+        return f"it starts with bytes {head[:8]!r}, neither Parquet nor JSONL"
+    if first.lstrip().startswith("{"):
+        return "it looks like JSONL: name it *.jsonl"
+    return f"it is text starting {first[:40]!r}, neither Parquet nor JSONL"
 
 
 def resolve_paths(spec: str) -> list[Path]:
@@ -73,10 +118,11 @@ def resolve_paths(spec: str) -> list[Path]:
         return paths
     root = Path(spec)
     if root.is_dir():
-        paths = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".jsonl") and p.is_file()
+        paths = sorted(p for p in root.rglob("*") if (p.suffix == ".parquet" or is_jsonl(p)) and p.is_file()
                        and not any(part.startswith((".", "_")) for part in p.relative_to(root).parts))
         if not paths:
-            raise JobError(f"job.input: no *.parquet or *.jsonl file in directory {root}")
+            raise JobError(f"job.input: no *.parquet or *.jsonl file in directory {root} (nor *.jsonl.gz, "
+                           f"*.jsonl.zst, *.jsonl.zstd)")
         return paths
     if not root.is_file():
         raise JobError(f"job.input: no such file: {root}")
@@ -105,15 +151,31 @@ def fingerprint_change(before: list, now: list) -> str | None:
     return f"{gone[0]} is gone" if gone else None
 
 
-class InputFiles:
-    """The files of job.input read as one table: `schema` (unified), `num_rows`, `batches()`."""
+class _PartLists(Exception):
+    """The first pass over JSONL met a message content that is a list of parts: start again, reading
+    every content as a list."""
 
-    def __init__(self, spec: str):
+
+class InputFiles:
+    """The files of job.input read as one table: `schema` (unified), `num_rows`, `batches()`.
+    conversation_column: the column whose conversations' string contents become text parts when the
+    input also has contents that are lists of parts (as body.messages' do)."""
+
+    def __init__(self, spec: str, conversation_column: str | None = None):
         self.paths = resolve_paths(spec)
-        self.format = "jsonl" if self.paths[0].suffix == ".jsonl" else "parquet"
-        mixed = [p for p in self.paths if (p.suffix == ".jsonl") != (self.format == "jsonl")]
+        self.format = "jsonl" if is_jsonl(self.paths[0]) else "parquet"
+        mixed = [p for p in self.paths if is_jsonl(p) != (self.format == "jsonl")]
         if mixed:
             raise JobError(f"job.input: {spec} mixes JSONL and Parquet files ({self.paths[0]}, {mixed[0]})")
+        self.conversation_column, self.content_as_parts = conversation_column, False
+        try:
+            self._scan()
+        except _PartLists:
+            self.content_as_parts = True
+            self._scan()
+
+    def _scan(self) -> None:
+        """Set the unified schema (no columns for JSONL files without a line) and the number of rows."""
         self.schema, self.num_rows = None, 0
         for path, schema, num_rows in (self._scan_parquet() if self.format == "parquet" else self._scan_jsonl()):
             names = schema.names
@@ -127,14 +189,16 @@ class InputFiles:
                 raise JobError(f"job.input: the column types of {path} clash with the rows before it "
                                f"({first_line(err)})") from None
             self.num_rows += num_rows
+        if self.schema is None:
+            self.schema = pa.schema([])
 
     def _scan_parquet(self):
         for path in self.paths:
             try:
                 meta = pq.read_metadata(path)
-                yield path, meta.schema.to_arrow_schema(), meta.num_rows
             except (pa.ArrowException, OSError) as err:
-                raise JobError(f"job.input: {path} is not a readable Parquet file ({first_line(err)})") from None
+                raise _not_parquet(path, err) from None
+            yield path, meta.schema.to_arrow_schema(), meta.num_rows
 
     def _scan_jsonl(self):
         for path in self.paths:
@@ -142,32 +206,28 @@ class InputFiles:
                 yield path, table.schema, table.num_rows
 
     def _jsonl_tables(self, path: Path, schema: pa.Schema | None) -> Iterator[pa.Table]:
-        """The file's chunks of whole lines, parsed (with `schema` when given)."""
+        """The file's chunks of whole lines that hold rows, parsed (with `schema` when given)."""
         options = pj.ParseOptions(explicit_schema=schema) if schema is not None else None
         line = 1
         try:
-            with open(path, "rb") as f:
-                while chunk := f.read(CHUNK_BYTES) + f.readline():
+            with pa.input_stream(str(path), compression=jsonl_codec(path)) as stream:
+                for chunk in line_chunks(stream):
                     lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
-                    try:
-                        yield pj.read_json(io.BytesIO(chunk), parse_options=options)
-                    except pa.ArrowInvalid as err:
-                        where = f"{path}, lines {line}-{line + lines - 1}"
-                        twice = re.search(r"Column\(/(.*)\) was specified twice", str(err))
-                        if twice:
-                            raise JobError(f"job.input: {where} has a duplicate column name: key {twice[1]!r} "
-                                           f"twice in one row") from None
-                        changed = re.search(r"Column\(/(.*)\) changed from (\w+) to (\w+)", str(err))
-                        if changed:
-                            raise JobError(f"job.input: {where}: column {changed[1]!r} holds {changed[2]} in some rows "
-                                           f"and {changed[3]} in others") from None
-                        raise JobError(f"job.input: {where} is not readable JSONL ({first_line(err)})") from None
+                    if self.content_as_parts:
+                        chunk = contents_as_parts(chunk, self.conversation_column)
+                    elif schema is None and PART_LISTS.search(chunk):
+                        raise _PartLists()
+                    table = _parse_jsonl(chunk, options, f"{path}, lines {line}-{line + lines - 1}")
+                    if table.num_rows:
+                        yield table
                     line += lines
         except OSError as err:
             raise JobError(f"job.input: cannot read {path} ({err.strerror or err})") from None
 
     def batches(self, columns: list[str], batch_size: int) -> Iterator[pa.RecordBatch]:
         """Record batches of at most batch_size rows with `columns` (of the unified schema), in row order."""
+        if not self.num_rows:  # columns of JSONL files without a line are not in the (empty) schema
+            return
         schema = pa.schema([self.schema.field(c) for c in columns])
         for path in self.paths:
             pieces = self._jsonl_batches(path, columns) if self.format == "jsonl" else \
@@ -187,13 +247,88 @@ class InputFiles:
                 present = [c for c in columns if c in parquet.schema_arrow.names]
                 yield from parquet.iter_batches(batch_size=batch_size, columns=present)
         except (pa.ArrowException, OSError) as err:
-            raise JobError(f"job.input: {path} is not a readable Parquet file ({first_line(err)})") from None
+            raise _not_parquet(path, err) from None
 
     def fingerprint(self) -> list:
         try:
             return [[str(p), p.stat().st_size, file_hash(p)] for p in self.paths]
         except OSError as err:
             raise JobError(f"job.input: cannot read {err.filename} ({err.strerror})") from None
+
+
+def _not_parquet(path: Path, err: Exception) -> JobError:
+    """The error for a file of a Parquet input that pyarrow cannot read: pyarrow's reason for a Parquet file
+    (its magic bytes are there), else what the file is."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        reason = first_line(err) if magic == b"PAR1" else what_file(path)
+    except OSError as read_err:
+        reason = read_err.strerror or str(read_err)
+    return JobError(f"job.input: {path} is not a readable Parquet file ({reason})")
+
+
+def line_chunks(stream) -> Iterator[bytes]:
+    """The stream's bytes in chunks of whole lines: CHUNK_BYTES read at a time, cut after the last newline
+    (a line longer than that makes its chunk longer). The last chunk may lack the final newline."""
+    pending = bytearray()
+    while block := stream.read(CHUNK_BYTES):
+        cut = block.rfind(b"\n") + 1
+        if not cut:
+            pending += block
+            continue
+        yield bytes(pending + block[:cut])
+        pending = bytearray(block[cut:])
+    if pending:
+        yield bytes(pending)
+
+
+def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, where: str) -> pa.Table:
+    """A chunk of whole lines as one block (pyarrow's default block of 1 MiB stops at a longer line);
+    JobError naming `where` when it is not JSONL."""
+    try:
+        return pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
+                            parse_options=options)
+    except pa.ArrowInvalid as err:
+        twice = re.search(r"Column\(/(.*)\) was specified twice", str(err))
+        if twice:
+            raise JobError(f"job.input: {where} has a duplicate column name: key {twice[1]!r} "
+                           f"twice in one row") from None
+        changed = re.search(r"Column\(/(.*)\) changed from (\w+) to (\w+)", str(err))
+        if changed:
+            raise JobError(f"job.input: {where}: column {changed[1]!r} holds {changed[2]} in some rows "
+                           f"and {changed[3]} in others") from None
+        raise JobError(f"job.input: {where} is not readable JSONL ({first_line(err)})") from None
+
+
+def contents_as_parts(chunk: bytes, conversation_column: str | None) -> bytes:
+    """The chunk's lines with every string content of body.messages and of the conversation column read
+    as one text part ({"type": "text", "text": ...}). A chunk with a line that json cannot read, or that
+    repeats a key, is left as it is, for pyarrow to report."""
+    lines = []
+    for line in chunk.splitlines(keepends=True):
+        if not line.strip():
+            lines.append(line)
+            continue
+        try:
+            row = json.loads(line, object_pairs_hook=_unique_keys)
+        except ValueError:
+            return chunk
+        body = row.get("body") if isinstance(row, dict) else None
+        for messages in (body.get("messages") if isinstance(body, dict) else None,
+                         row.get(conversation_column) if isinstance(row, dict) else None):
+            for message in messages if isinstance(messages, list) else ():
+                if isinstance(message, dict) and isinstance(message.get("content"), str):
+                    message["content"] = [{"type": "text", "text": message["content"]}]
+        lines.append(json.dumps(row).encode() + b"\n")
+    return b"".join(lines)
+
+
+def _unique_keys(pairs: list[tuple]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        raise ValueError("a key twice in one object")
+    return dict(pairs)
 
 
 def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
@@ -234,6 +369,8 @@ def plan_columns(job, source: InputFiles, reserved: set[str]) -> Columns:
     `reserved`: the output's own column names, which a carried input column must not take."""
     schema, where = source.schema, source.paths[0] if len(source.paths) == 1 else job.input
     names = schema.names
+    if not names:  # JSONL without a line: no rows, and no columns to check
+        return Columns(None, job.prompt_column, False, False, [], [])
     openai = is_openai_batch(schema)
     if job.id_column is not None and job.id_column not in names:
         raise JobError(f"job.id_column: column {job.id_column!r} not in {where}; columns: {names} "
@@ -320,16 +457,70 @@ def input_rows(source: InputFiles, columns: Columns, batch_size: int) -> Iterato
             sampling = batch.select(columns.sampling)
             urls = [None] * batch.num_rows
         if columns.conversation:
-            fields = [{"messages": None if m is None else [{k: v for k, v in message.items() if v is not None}
-                                                            for message in m]} for m in prompts.to_pylist()]
+            fields = [conversation_fields(m) for m in prompts.to_pylist()]
         else:
             fields = [{"prompt": p} for p in prompts.cast(pa.binary()).to_pylist()]
         for f, values, url in zip(fields, sampling.to_pylist(), urls):
-            f["sampling"] = {k: v for k, v in values.items() if v is not None}
+            f["sampling"] = {k: _plain_number(v) for k, v in values.items() if v is not None}
             if columns.openai:
                 f["url"] = url
             yield row, f
             row += 1
+
+
+def conversation_fields(messages: list[dict] | None) -> dict:
+    """input_rows' fields of a conversation: "messages" without null fields, each content a string (text
+    parts joined), and "error" when a content holds a part that is not text."""
+    if messages is None:
+        return {"messages": None}
+    cleaned = []
+    for i, message in enumerate(messages):
+        if isinstance(message, dict):
+            message = {k: v for k, v in message.items() if v is not None}
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            try:
+                message["content"] = joined_text(message["content"])
+            except ValueError as err:
+                return {"messages": cleaned, "error": f"messages[{i}].{err}"}
+        cleaned.append(message)
+    return {"messages": cleaned}
+
+
+def joined_text(parts: list) -> str:
+    """A content given as a list of parts, as one string: the texts of its text parts joined with newlines,
+    as vLLM joins them. ValueError naming the part (content[j]) that is not a text part."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"content[{j}] is a part of type {kind!r}: only text parts are supported"
+                             if kind is not None else f"content[{j}] is not a part with a type, got {part!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"content[{j}] is a text part without text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _plain_number(value):
+    """A decimal as an int when whole (exactly, whatever its size), else a float, inside lists too;
+    anything else as it is. SamplingParams takes ints and floats: int() of a decimal 2.5 would be 2."""
+    if isinstance(value, decimal.Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    if isinstance(value, list):
+        return [_plain_number(v) for v in value]
+    return value
+
+
+# SamplingParams field -> the body field its value is read from, when the body has that field
+BODY_FIELDS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
+
+
+def body_message(message: str, body: dict) -> str:
+    """A SamplingParams message (it starts with the field's name) about a value that an OpenAI body gave
+    under another name (openai_sampling), naming the body's field."""
+    field = message.split(" ", 1)[0]
+    source = BODY_FIELDS.get(field)
+    return source + message[len(field):] if source in body else message
 
 
 def openai_sampling(body: dict) -> dict:

@@ -7,22 +7,31 @@ job.flush_interval_s old), to <run dir>/generations.parts/part-NNNNNN.parquet, e
 whole or not at all. Ids and carried input columns are not stored: the final file takes them from the
 input. Each part's metadata holds the run's config and the input's fingerprint (jobs/inputs.py).
 
-Resume. A run started again in the same directory checks each part's settings and input fingerprint
-against its own, then reads the parts' `row` columns into `saved`: one int32 per input row, the index of
-the part that holds it, -1 if none (4 MB for a million rows). Those rows are not computed again; a row
-found in two parts keeps the first.
+Resume. A run started again in the same directory checks each part's settings, input fingerprint and
+model fingerprint against its own, then reads the parts' `row` columns into `saved`: one int32 per input
+row, the index of the part that holds it, -1 if none (4 MB for a million rows). Those rows are not
+computed again; a row found in two parts keeps the first. The model fingerprint (model_fingerprint) holds
+what the settings do not: the sampling values in effect (the sampling.* keys with the checkpoint's
+generation_config.json defaults resolved) and model.path's files (those a checkpoint is read from,
+loader.HUB_FILES): weights by size and mtime (hashing gigabytes at every start would cost more than it
+guards), the others (config, generation config, tokenizer, chat template) by a hash of their bytes.
 
 Finalize. The final file is written in input order, one batch of input rows at a time: the input is read
 again (id and carried columns) in batches, saved[lo:hi] names the parts that hold rows [lo, hi), each of
 them is read (a small cache keeps the last few, since consecutive batches mostly share parts), its rows in
 [lo, hi) are taken and sorted by (row, sample_index), and the batch goes to the output with the input's
-columns beside it (repeated for each sample). Memory: one batch of results and the cached parts, whatever
-the number of rows. The job admits rows in
+columns beside it (repeated for each sample); the input row numbers travel beside the table, not in it,
+so no carried column can take their place (nor an output column's: plan_columns leaves those out). Memory:
+one batch of results and the cached parts, whatever the number of rows. The job admits rows in
 input order into a bounded window, so rows finish nearly in order and a part spans a narrow range of rows;
 a part holding a straggler is read once more for each batch it has rows in. The output is written to a
 temporary file and renamed: generations.parquet (job.output_format=parquet) or generations.jsonl in the
-OpenAI batch output format (job.output_format=openai), one line per request as `vllm run-batch` writes.
+OpenAI batch output format (job.output_format=openai), one line per request as `vllm run-batch` writes,
+with chat-completions logprobs (choices[].logprobs.content) when they were asked for: each token's text
+from the tokenizer and its bytes (for a byte-level tokenizer the token's own bytes, which a character cut
+across tokens needs; else its text's UTF-8).
 """
+import dataclasses
 import functools
 import itertools
 import json
@@ -37,14 +46,19 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tokenizers import decoders
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from engine.generation_config import read_generation_config
+from engine.llm import default_sampling
+from engine.models.loader import HUB_FILES, resolve_model_path
 from jobs import JobError
-from jobs.inputs import fingerprint_change
+from jobs.inputs import file_hash, fingerprint_change
 from jobs.parquet import META_CONFIG, OutputError, atomic_path, flatten, schema_with_metadata, write_atomic
 
 log = logging.getLogger("minipaged")
 PART_GLOB = "part-*.parquet"
-META_INPUT = b"minipaged.input"
+META_INPUT, META_MODEL = b"minipaged.input", b"minipaged.model"
 CACHED_PARTS = 8
 
 # The settings that decide what a row's output is: parts written under other values cannot be mixed in.
@@ -77,6 +91,60 @@ def generations_schema(id_type: pa.DataType, kept: list[pa.Field] = (), logprobs
     return pa.schema([("id", id_type), *RESULT_FIELDS, *asked, *kept])
 
 
+def output_names() -> set[str]:
+    """Every column name generations.parquet may have (the logprob ones included): no carried input column
+    may take one."""
+    return set(generations_schema(pa.int64(), logprobs=True, prompt_logprobs=True).names)
+
+
+def model_fingerprint(cfg) -> dict:
+    """{"sampling": the SamplingParams in effect, as JSON values; "files": model.path's files (HUB_FILES) by
+    name: "<size> bytes, mtime <ns>" for weights, "blake2b <hash>" for the others}; no files without one."""
+    path = resolve_model_path(cfg.model)
+    with _quiet():  # the engine logs where each sampling value came from; once is enough
+        sampling = dataclasses.asdict(default_sampling(cfg, read_generation_config(path)))
+    files = {}
+    for file in sorted({f for pattern in HUB_FILES for f in path.glob(pattern)} if path else ()):
+        if file.is_file():
+            stat = file.stat()
+            files[file.name] = f"{stat.st_size} bytes, mtime {stat.st_mtime_ns}" if file.suffix == ".safetensors" \
+                else f"blake2b {file_hash(file)}"
+    return json.loads(json.dumps({"sampling": sampling, "files": files}))  # tuples as lists, as read back
+
+
+@contextmanager
+def _quiet():
+    """The project's info lines left out inside."""
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def model_change(before: dict, now: dict) -> str | None:
+    """How the sampling values in effect and model.path's files differ from `before` (model_fingerprint's),
+    in words; None if they do not."""
+    changes = []
+    sampling = _changed(before["sampling"], now["sampling"])
+    if sampling:
+        changes.append("the sampling values in effect changed (" + ", ".join(
+            f"{k}: {before['sampling'].get(k)!r} -> {now['sampling'].get(k)!r}" for k in sampling) + ")")
+    old, new = before["files"], now["files"]
+    files = _changed(old, new)
+    if files:
+        changes.append("model.path's files changed (" + ", ".join(
+            f"{k} is new" if k not in old else f"{k} is gone" if k not in new else f"{k}: {old[k]} -> {new[k]}"
+            for k in files) + ")")
+    return "; ".join(changes) or None
+
+
+def _changed(before: dict, now: dict) -> list:
+    """The keys whose values differ (or that only one of them has), sorted."""
+    return sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+
+
 def output_settings(config: dict) -> dict:
     """The flattened settings of OUTPUT_SETTINGS from a resolved config (a plain dict)."""
     flat = flatten(config)
@@ -85,10 +153,13 @@ def output_settings(config: dict) -> dict:
 
 
 class ResultWriter:
+    """The parts of a run directory: resumed from, added to, merged into the final file. fingerprint: the
+    input's (jobs.inputs), model: model_fingerprint's; None leaves that check out."""
+
     def __init__(self, run_dir: Path, num_rows: int, cfg=None, fingerprint: list | None = None,
-                 flush_every: int = 256, flush_interval_s: float = 0.0):
+                 flush_every: int = 256, flush_interval_s: float = 0.0, model: dict | None = None):
         self.parts_dir = run_dir / "generations.parts"
-        self.cfg, self.fingerprint = cfg, fingerprint
+        self.cfg, self.fingerprint, self.model = cfg, fingerprint, model
         self.flush_every, self.flush_interval_s = flush_every, flush_interval_s
         self.buffer: list[dict] = []
         self._oldest = 0.0  # when the oldest buffered row was added
@@ -125,7 +196,8 @@ class ResultWriter:
             self.saved[fresh] = index
 
     def _check_same_run(self, part: Path, metadata: dict, current: dict | None) -> None:
-        """JobError if the part was written with other output settings or from another input."""
+        """JobError if the part was written with other output settings, from another input or with other
+        sampling values in effect or model files."""
         run_dir = self.parts_dir.parent
         if current is not None:
             before = output_settings(json.loads(metadata.get(META_CONFIG, b"{}")))
@@ -139,6 +211,11 @@ class ResultWriter:
             if change:
                 raise JobError(f"job.input: {change} since the rows in {run_dir} were generated from it; resuming "
                                f"would mix two inputs: restore it or use a new hydra.run.dir")
+        if self.model is not None and META_MODEL in metadata:
+            change = model_change(json.loads(metadata[META_MODEL]), self.model)
+            if change:
+                raise JobError(f"{change} since the rows in {run_dir} were generated: resuming would mix rows of two "
+                               f"configurations; restore them or use a new hydra.run.dir")
 
     def add(self, *rows: dict) -> None:
         """Buffer the result rows of one input row (PART_SCHEMA's fields, one per sample), then flush when
@@ -165,7 +242,8 @@ class ResultWriter:
         except OSError as err:
             raise OutputError(f"cannot write {self.parts_dir}: {err.strerror or err}") from None
         path = self.parts_dir / f"part-{self._next:06d}.parquet"
-        extra = {META_INPUT: json.dumps(self.fingerprint).encode()} if self.fingerprint is not None else None
+        extra = {key: json.dumps(value).encode()
+                 for key, value in ((META_INPUT, self.fingerprint), (META_MODEL, self.model)) if value is not None}
         table = pa.Table.from_pylist(self.buffer, schema=PART_SCHEMA)
         write_atomic(table, path, self.cfg, extra)
         self._next += 1
@@ -178,10 +256,10 @@ class ResultWriter:
         """Input rows with no saved result (after a flush)."""
         return np.flatnonzero(self.saved < 0)
 
-    def results(self, input_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
-        """A table per input batch, in input order, one row per input row and sample: its input row number
-        (`row`), the batch's columns (id, carried columns, repeated for each sample) and the result
-        columns, from the parts. JobError if a row has no result."""
+    def results(self, input_batches: Iterator[pa.RecordBatch]) -> Iterator[tuple[np.ndarray, pa.Table]]:
+        """Per input batch, in input order, one row per input row and sample: the input row numbers, and a
+        table of the batch's id, the result columns from the parts and the batch's other (carried) columns,
+        repeated for each sample. JobError if a row has no result."""
         self.flush()
         missing = self.missing()
         if missing.size:
@@ -195,10 +273,13 @@ class ResultWriter:
                 lo = hi
                 break
             results = self._rows(lo, hi, read)
-            inputs = batch.take(pa.array(results["row"].to_numpy() - lo))
-            yield pa.table({"row": results["row"], "id": inputs.column("id"),
-                            **{name: results[name] for name in PART_SCHEMA.names if name != "row"},
-                            **{c: inputs.column(c) for c in batch.schema.names if c != "id"}})
+            rows = results["row"].to_numpy()
+            inputs = batch.take(pa.array(rows - lo))
+            carried = [c for c in batch.schema.names if c != "id"]
+            result_names = [name for name in PART_SCHEMA.names if name != "row"]
+            yield rows, pa.Table.from_arrays(
+                [inputs.column("id"), *(results[name] for name in result_names), *(inputs.column(c) for c in carried)],
+                ["id", *result_names, *carried])
             lo = hi
         if lo != len(self.saved):
             raise JobError(f"job.input changed during the run: it no longer has the {len(self.saved)} rows it had")
@@ -219,19 +300,21 @@ class ResultWriter:
         return table.take(np.lexsort((table["sample_index"].to_numpy(), table["row"].to_numpy())))
 
     def finalize(self, input_batches: Iterator[pa.RecordBatch], path: Path, schema: pa.Schema,
-                 output_format: str = "parquet", model: str = "") -> None:
+                 output_format: str = "parquet", model: str = "", tokenizer=None) -> None:
         """Write the final file at `path` (atomically), in input order: one row per input row and sample
-        (Parquet), or one line per input row with a choice per sample (OpenAI)."""
+        (Parquet), or one line per input row with a choice per sample (OpenAI; `tokenizer` names the tokens
+        of the logprobs, needed when the schema has them)."""
         with atomic_path(path) as tmp:
             if output_format == "openai":
-                created = int(time.time())
+                created, pieces = int(time.time()), TokenPieces(tokenizer) if tokenizer is not None else None
                 with open(tmp, "w", encoding="utf-8") as out:
-                    for table in self.results(input_batches):
-                        out.writelines(json.dumps(openai_line(row, list(samples), model, created)) + "\n"
-                                       for row, samples in itertools.groupby(table.to_pylist(), lambda r: r["row"]))
+                    for rows, table in self.results(input_batches):
+                        samples = table.select([n for n in schema.names if n in OPENAI_FIELDS]).to_pylist()
+                        out.writelines(json.dumps(openai_line(int(row), [s for _, s in group], model, created, pieces))
+                                       + "\n" for row, group in itertools.groupby(zip(rows, samples), lambda r: r[0]))
             else:
                 with pq.ParquetWriter(tmp, schema_with_metadata(schema, self.cfg)) as out:
-                    for table in self.results(input_batches):
+                    for _, table in self.results(input_batches):
                         out.write_table(table.select(schema.names).cast(schema))
 
 
@@ -257,9 +340,50 @@ def _signals_deferred():
             signal.raise_signal(s)
 
 
-def openai_line(row_number: int, samples: list[dict], model: str, created: int) -> dict:
+# the result columns an OpenAI output line is made of
+OPENAI_FIELDS = ("id", "sample_index", "output_text", "output_token_ids", "finish_reason", "stop_reason",
+                 "stop_token_id", "prompt_tokens", "output_tokens", "error", "output_logprobs", "top_logprobs")
+
+
+class TokenPieces:
+    """A token id's text (the tokenizer's decode of it alone) and bytes, cached. The bytes of a byte-level
+    BPE token (GPT-2's alphabet: Qwen, Llama 3, the tiny model) are its own, from its characters; of an
+    added token or another tokenizer's, its text's UTF-8."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_of = {c: b for b, c in bytes_to_unicode().items()} \
+            if backend is not None and isinstance(backend.decoder, decoders.ByteLevel) else None
+        self.added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        if token_id not in self.cache:
+            text = self.tokenizer.decode([token_id])
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            own = self.byte_of is not None and token_id not in self.added and all(c in self.byte_of for c in piece)
+            self.cache[token_id] = text, [self.byte_of[c] for c in piece] if own else list(text.encode("utf-8"))
+        return self.cache[token_id]
+
+
+def openai_logprobs(sample: dict, pieces: TokenPieces) -> dict:
+    """A choice's chat-completions logprobs: {"content": per output token {token, logprob, bytes,
+    top_logprobs: the k most likely, each {token, logprob, bytes}}}."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text, raw = pieces(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    tops = sample["top_logprobs"] or [None] * len(sample["output_logprobs"])
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(x["token_id"], x["logprob"]) for x in top or ()]}
+                        for t, lp, top in zip(sample["output_token_ids"], sample["output_logprobs"], tops)]}
+
+
+def openai_line(row_number: int, samples: list[dict], model: str, created: int,
+                pieces: TokenPieces | None = None) -> dict:
     """One line of an OpenAI batch output file (the shape `vllm run-batch` writes) from the result rows of
-    one input row (a choice per sample), with ids made from the input row number."""
+    one input row (a choice per sample), with ids made from the input row number; logprobs where the
+    samples have them (`pieces` names their tokens)."""
     first = samples[0]
     head = {"id": f"minipaged-{row_number}", "custom_id": str(first["id"])}
     request_id = f"minipaged-batch-{row_number}"
@@ -270,7 +394,8 @@ def openai_line(row_number: int, samples: list[dict], model: str, created: int) 
     usage = {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
              "total_tokens": first["prompt_tokens"] + completion}
     choices = [{"index": s["sample_index"], "message": {"role": "assistant", "content": s["output_text"]},
-                "logprobs": None, "finish_reason": s["finish_reason"],
+                "logprobs": openai_logprobs(s, pieces) if s.get("output_logprobs") is not None else None,
+                "finish_reason": s["finish_reason"],
                 "stop_reason": s["stop_token_id"] if s["stop_reason"] is None else s["stop_reason"]}
                for s in samples]
     body = {"id": f"chatcmpl-{row_number}", "object": "chat.completion", "created": created, "model": model,

@@ -2,6 +2,7 @@
 row-level problems become finish_reason "error" rows while every other row completes."""
 import errno
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,7 +157,9 @@ def test_errors_print_one_line_without_a_traceback(tmp_path):
         "run dir in use": ([f"hydra.run.dir={tmp_path / 'busy'}"],
                            f"error: {tmp_path / 'busy'} is in use by another run (pid {os.getpid()})"),
     }
-    (tmp_path / "busy").mkdir()
+    record = tmp_path / "busy" / ".hydra" / "config.yaml"  # what Hydra wrote there for the run that holds it
+    record.parent.mkdir(parents=True)
+    record.write_text("the first run's config\n")
     with run_lock(tmp_path / "busy"):  # a run holding the directory while the second starts
         procs = {name: subprocess.Popen(
             [sys.executable, "-m", "engine.run", f"hydra.run.dir={tmp_path / str(n)}", *overrides, "model.device=cpu"],
@@ -167,7 +170,25 @@ def test_errors_print_one_line_without_a_traceback(tmp_path):
             assert proc.returncode == 1, (name, err)
             assert cases[name][1] in err, (name, err)
             assert "Traceback" not in out + err, (name, err)
-    assert not (tmp_path / "busy" / "generations.parts").exists()
+    # the refused run wrote nothing there: the lock is taken before Hydra writes its record and log
+    assert sorted(p.name for p in (tmp_path / "busy").iterdir()) == [".hydra", ".minipaged.lock"]
+    assert [p.name for p in record.parent.iterdir()] == ["config.yaml"]
+    assert record.read_text() == "the first run's config\n"
+
+
+def test_jobs_started_together_get_run_directories_of_their_own(tmp_path):
+    """The default hydra.run.dir has microseconds: two jobs started in the same second (as these two
+    nearly always are) do not share one."""
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    procs = [subprocess.Popen([sys.executable, "-m", "engine.run", f"job.input={tmp_path / 'empty.parquet'}",
+                               "model.device=cpu"], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    runs = sorted((tmp_path / "outputs" / "generate").iterdir())
+    assert len(runs) == 2 and all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d\.\d{6}", r.name) for r in runs), runs
+    assert all((r / "generations.parquet").is_file() and (r / ".hydra" / "config.yaml").is_file() for r in runs)
 
 
 # -- job level: the run directory and the input under a resumed run ---------------------------------

@@ -175,8 +175,9 @@ def test_an_openai_batch_file_in_and_out(make_config, chat_checkpoint, tmp_path,
     assert {"method", "url", "body"} <= set(table.column_names)  # the request carried along
 
 
-def test_an_openai_batch_needs_a_chat_template(make_config, tmp_path):
+def test_an_openai_batch_needs_a_chat_template(make_config, qwen3_checkpoint, tmp_path):
+    checkpoint, _ = qwen3_checkpoint  # its byte-level tokenizer was saved without a template
     path = write_jsonl(tmp_path / "batch.jsonl", [batch_line("a", CONVERSATIONS[0])])
-    with pytest.raises(JobError, match=r"job.input is an OpenAI batch \(conversations\), but model 'tiny' has no "
+    with pytest.raises(JobError, match=r"job.input is an OpenAI batch \(conversations\), but model '.*' has no "
                                        r"chat template"):
-        run(make_config, tmp_path / "run", f"job.input={path}")
+        run(make_config, tmp_path / "run", f"job.input={path}", f"model.path={checkpoint}")

@@ -1,8 +1,10 @@
 """Crash safety: rows are saved in parts as they finish; a job killed at any moment (SIGKILL included) and
 started again with the same hydra.run.dir computes only the rows not saved yet; SIGINT and SIGTERM save
 what finished and stop; generations.parquet has every id exactly once and is written atomically."""
+import json
 import os
 import re
+import shutil
 import signal
 import threading
 import subprocess
@@ -18,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs import JobError
-from jobs.results import ResultWriter, generations_schema
+from jobs.generate import generate_job
+from jobs.results import ResultWriter, generations_schema, model_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}  # one thread: the tiny model gains nothing from more
@@ -165,6 +168,59 @@ def test_resuming_with_other_settings_or_another_input_is_refused(make_config, t
     # the pool and the batching do not change what a row's output is: resuming with a smaller pool is fine
     ResultWriter(tmp_path, 4, make_config("sampling.max_tokens=8", "cache.num_blocks=40", "scheduler.max_num_seqs=2",
                                           "model.device=cpu"), FINGERPRINT)
+
+
+def test_resuming_after_the_checkpoint_changed_is_refused(make_config, qwen3_checkpoint, tmp_path):
+    """generation_config.json's defaults (the sampling values in effect), the tokenizer's files and the
+    weights (size and mtime) are part of what the parts were made with; the sampling.* keys are unchanged."""
+    source, _ = qwen3_checkpoint
+    checkpoint, run = tmp_path / "ckpt", tmp_path / "run"
+    shutil.copytree(source, checkpoint)
+    cfg = make_config(f"model.path={checkpoint}")
+    writer = ResultWriter(run, 4, cfg, FINGERPRINT, flush_every=1, model=model_fingerprint(cfg))
+    writer.add(row(0))
+    assert ResultWriter(run, 4, cfg, FINGERPRINT, model=model_fingerprint(cfg)).resumed == 1  # nothing changed
+
+    generation = checkpoint / "generation_config.json"
+    original = generation.read_text()
+    generation.write_text(json.dumps({**json.loads(original), "temperature": 0.7}))
+    with pytest.raises(JobError, match=rf"^the sampling values in effect changed \(temperature: 0.0 -> 0.7\); model.path's "
+                                       rf"files changed \(generation_config.json: blake2b \w+ -> blake2b \w+\) since the "
+                                       rf"rows in {run} were generated: resuming would mix rows of two configurations"):
+        ResultWriter(run, 4, cfg, FINGERPRINT, model=model_fingerprint(cfg))
+    generation.write_text(original)
+
+    tokenizer = checkpoint / "tokenizer_config.json"
+    tokenizer.write_text(json.dumps({**json.loads(tokenizer.read_text()), "chat_template": "{{ messages }}"}))
+    with pytest.raises(JobError, match=r"^model.path's files changed \(tokenizer_config.json: blake2b \w+ -> blake2b \w+\)"):
+        ResultWriter(run, 4, cfg, FINGERPRINT, model=model_fingerprint(cfg))
+    shutil.copy(source / "tokenizer_config.json", tokenizer)
+
+    weights = checkpoint / "model.safetensors"
+    size, mtime = weights.stat().st_size, weights.stat().st_mtime_ns
+    os.utime(weights, ns=(mtime + 10**9, mtime + 10**9))
+    with pytest.raises(JobError, match=rf"^model.path's files changed \(model.safetensors: {size} bytes, mtime {mtime} -> "
+                                       rf"{size} bytes, mtime {mtime + 10**9}\)"):
+        ResultWriter(run, 4, cfg, FINGERPRINT, model=model_fingerprint(cfg))
+    os.utime(weights, ns=(mtime, mtime))
+    assert ResultWriter(run, 4, cfg, FINGERPRINT, model=model_fingerprint(cfg)).resumed == 1  # restored
+
+
+def test_the_job_refuses_a_resume_after_generation_config_changed(make_config, qwen3_checkpoint, tmp_path, one_thread):
+    source, _ = qwen3_checkpoint
+    checkpoint, run = tmp_path / "ckpt", tmp_path / "run"
+    shutil.copytree(source, checkpoint)
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"]}), tmp_path / "in.parquet")
+    cfg = make_config(f"job.input={tmp_path / 'in.parquet'}", f"model.path={checkpoint}", "model.device=cpu",
+                      "model.max_model_len=64", "sampling.max_tokens=2", "sampling.ignore_eos=true")
+    run.mkdir()
+    generate_job(cfg, run)
+    before = {p.name: p.read_bytes() for p in (run / "generations.parts").iterdir()}
+    generation = checkpoint / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "top_k": 5}))
+    with pytest.raises(JobError, match=r"the sampling values in effect changed \(top_k: -1 -> 5\)"):
+        generate_job(cfg, run)
+    assert {p.name: p.read_bytes() for p in (run / "generations.parts").iterdir()} == before
 
 
 def test_an_unreadable_part_is_reported(make_config, tmp_path):

@@ -1,0 +1,218 @@
+"""The input side of the generate job on inputs that broke it (jobs/inputs.py): non-integral numbers for
+integer sampling fields in every kind of input, empty JSONL files, JSONL lines longer than pyarrow's block,
+OpenAI message contents given as lists of parts, compressed JSONL and files that are neither format."""
+import decimal
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_inputs import batch_line, job, run, write_jsonl
+
+import jobs.inputs
+from engine.sequence import SamplingParams
+from jobs import JobError
+from jobs.generate import open_input, to_request
+from jobs.inputs import InputFiles, input_rows
+
+INT_FIELDS = ["max_tokens", "min_tokens", "top_k", "seed", "n", "logprobs", "prompt_logprobs"]
+
+
+def requests(spec) -> list:
+    """The requests the job makes of the input's rows (before the engine sees them)."""
+    source, columns, _ = open_input(job(spec))
+    return [to_request(row, fields, SamplingParams()) for row, fields in input_rows(source, columns, 4)]
+
+
+# -- 1. integer fields given non-integral numbers -----------------------------------------------------
+@pytest.mark.parametrize("field", INT_FIELDS)
+def test_a_fraction_for_an_integer_field_is_an_error_row_in_every_input(tmp_path, field):
+    """2.5 is refused naming the field and 2.0 taken as 2, from a float column, a decimal column (whose
+    values int() would cut to 2), a JSONL number and an OpenAI body field."""
+    values = [2.5, 2.0]
+    pq.write_table(pa.table({"prompt": ["a", "b"], field: values}), tmp_path / "float.parquet")
+    pq.write_table(pa.table({"prompt": ["a", "b"], field: pa.array([decimal.Decimal("2.5"), decimal.Decimal("2")],
+                                                                    pa.decimal128(5, 1))}), tmp_path / "decimal.parquet")
+    write_jsonl(tmp_path / "rows.jsonl", [{"prompt": p, field: v} for p, v in zip("ab", values)])
+    body_field = "top_logprobs" if field == "logprobs" else field
+    extra = {"logprobs": True} if field == "logprobs" else {}
+    write_jsonl(tmp_path / "batch.jsonl", [batch_line(p, [{"role": "user", "content": p}], **extra, **{body_field: v})
+                                           for p, v in zip("ab", values)])
+    for name in ("float.parquet", "decimal.parquet", "rows.jsonl", "batch.jsonl"):
+        bad, whole = requests(tmp_path / name)
+        expected = body_field if name == "batch.jsonl" else field
+        assert bad.error == f"{expected} 2.5 is not a valid int" and bad.sampling_params is None, name
+        assert whole.error is None and getattr(whole.sampling_params, field) == 2, name
+        assert type(getattr(whole.sampling_params, field)) is int, name
+
+
+def test_the_openai_names_of_renamed_fields_are_the_ones_named(tmp_path):
+    path = write_jsonl(tmp_path / "batch.jsonl", [
+        batch_line("a", [{"role": "user", "content": "a"}], max_completion_tokens=2.5),
+        batch_line("b", [{"role": "user", "content": "b"}], max_tokens=0),
+        batch_line("c", [{"role": "user", "content": "c"}], max_completion_tokens=0, max_tokens=5)])
+    assert [r.error for r in requests(path)] == ["max_completion_tokens 2.5 is not a valid int",
+                                                 "max_tokens must be >= 1, got 0",
+                                                 "max_completion_tokens must be >= 1, got 0"]
+
+
+def test_decimals_and_stop_token_ids_convert_exactly(tmp_path):
+    big = 2**53 + 1  # a float64 would make it 2**53
+    pq.write_table(pa.table({
+        "prompt": ["a", "b"],
+        "seed": pa.array([decimal.Decimal(big), decimal.Decimal("7.000")], pa.decimal128(38, 3)),
+        "temperature": pa.array([decimal.Decimal("0.5"), None], pa.decimal128(3, 2)),
+        "stop_token_ids": pa.array([[decimal.Decimal(3)], [decimal.Decimal("3.5")]], pa.list_(pa.decimal128(3, 1))),
+    }), tmp_path / "in.parquet")
+    exact, fraction = requests(tmp_path / "in.parquet")
+    assert exact.error is None and exact.sampling_params.seed == big
+    assert exact.sampling_params.temperature == 0.5 and exact.sampling_params.stop_token_ids == (3,)
+    assert fraction.error == "stop_token_ids must be a list of token ids, got [3.5]"
+
+
+# -- 3. empty JSONL ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("output_format", ["parquet", "openai"])
+def test_an_empty_jsonl_file_writes_an_empty_output_as_a_0_row_parquet_file_does(make_config, tmp_path, output_format):
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_bytes(b"\n\n")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    outputs = {}
+    for name in ("empty.parquet", "empty.jsonl", "blank.jsonl"):
+        directory = run(make_config, tmp_path / f"run-{name}", f"job.input={tmp_path / name}",
+                        f"job.output_format={output_format}")
+        final = directory / ("generations.jsonl" if output_format == "openai" else "generations.parquet")
+        outputs[name] = final.read_text() if output_format == "openai" else pq.read_table(final)
+    if output_format == "openai":
+        assert outputs == {name: "" for name in outputs}
+    else:
+        reference = outputs.pop("empty.parquet")
+        assert reference.num_rows == 0
+        assert all(table.schema.remove_metadata() == reference.schema.remove_metadata() and table.num_rows == 0
+                   for table in outputs.values())
+
+
+def test_an_empty_jsonl_file_beside_others_adds_nothing(tmp_path):
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jsonl").write_bytes(b"")
+    write_jsonl(tmp_path / "dir" / "b.jsonl", [{"prompt": "x", "n": 2}])
+    source = InputFiles(str(tmp_path / "dir"))
+    assert source.num_rows == 1 and source.schema.names == ["prompt", "n"]
+
+
+# -- 4. long lines ------------------------------------------------------------------------------------
+def test_a_line_longer_than_pyarrows_block_reads(tmp_path):
+    rows = [{"prompt": "short"}, {"prompt": "x" * (5 << 19)}, {"prompt": "after"}]  # 2.5 MiB: over two 1 MiB blocks
+    source = InputFiles(str(write_jsonl(tmp_path / "in.jsonl", rows)))
+    assert pa.Table.from_batches(list(source.batches(["prompt"], 8))).to_pylist() == rows
+
+
+def test_line_chunks_cut_after_whole_lines_of_any_length(monkeypatch):
+    monkeypatch.setattr(jobs.inputs, "CHUNK_BYTES", 4)
+    data = b"a\nbbbbbbbbbb\ncc\nd"
+    chunks = list(jobs.inputs.line_chunks(pa.BufferReader(data)))
+    assert chunks == [b"a\n", b"bbbbbbbbbb\ncc\n", b"d"]  # cut after the last newline of each read
+
+
+def test_a_prompt_on_a_long_line_is_an_error_row(make_config, tmp_path, one_thread):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x" * (5 << 19)}, {"prompt": "fine"}])
+    directory = run(make_config, tmp_path / "run", f"job.input={path}", "sampling.ignore_eos=true")
+    rows = pq.read_table(directory / "generations.parquet").to_pylist()
+    assert rows[0]["finish_reason"] == "error"
+    assert rows[0]["error"] == f"prompt has {5 << 19} tokens; model.max_model_len 256 leaves no room for output"
+    assert rows[1]["finish_reason"] == "length" and rows[1]["output_tokens"] == 3
+
+
+# -- 5. message contents as lists of parts --------------------------------------------------------------
+def parts(*texts):
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def test_text_parts_are_joined_as_vllm_joins_them_and_other_parts_are_error_rows(tmp_path, monkeypatch):
+    lines = [batch_line("plain", [{"role": "user", "content": "hi"}]),
+             batch_line("parts", [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts("a", "b")}]),
+             batch_line("image", [{"role": "user", "content": "look"},
+                                  {"role": "user", "content": [*parts("see"), {"type": "image_url",
+                                                                               "image_url": {"url": "http://x/y.png"}}]}]),
+             batch_line("plain2", [{"role": "user", "content": "bye"}])]
+    expected = [[{"role": "user", "content": "hi"}],
+                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}], None,
+                [{"role": "user", "content": "bye"}]]
+    for chunk_bytes in (1 << 20, 64):  # the mix inside one chunk, and spread over chunks (the schemas unified)
+        monkeypatch.setattr(jobs.inputs, "CHUNK_BYTES", chunk_bytes)
+        got = requests(write_jsonl(tmp_path / "batch.jsonl", lines))
+        assert [r.messages for r in got[:2]] + [got[3].messages] == [expected[0], expected[1], expected[3]]
+        assert [r.error for r in got] == [None, None, "messages[1].content[1] is a part of type 'image_url': only "
+                                                      "text parts are supported", None]
+
+
+def test_a_conversation_column_mixing_strings_and_parts_in_jsonl(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [{"prompt": [{"role": "user", "content": "plain"}], "tag": "a"},
+                                               {"prompt": [{"role": "user", "content": parts("x", "y")}], "tag": "b"}])
+    assert [r.messages for r in requests(path)] == [[{"role": "user", "content": "plain"}],
+                                                    [{"role": "user", "content": "x\ny"}]]
+
+
+def test_a_conversation_column_of_parts_in_parquet(tmp_path):
+    part = pa.struct([("type", pa.string()), ("text", pa.string())])
+    message = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
+    pq.write_table(pa.table({"prompt": pa.array([[{"role": "user", "content": parts("x", "y", "z")}],
+                                                 [{"role": "user", "content": [{"type": "text", "text": None}]}]],
+                                                pa.list_(message))}), tmp_path / "in.parquet")
+    ok, bad = requests(tmp_path / "in.parquet")
+    assert ok.messages == [{"role": "user", "content": "x\ny\nz"}] and ok.error is None
+    assert bad.error == "messages[0].content[0] is a text part without text"
+
+
+def test_parts_give_the_outputs_of_the_joined_strings(make_config, chat_checkpoint, tmp_path, one_thread):
+    """The job on a file of mixed contents against the job on the same file with each content a string."""
+    conversations = [[{"role": "user", "content": parts("why", "paged attention?")}],
+                     [{"role": "user", "content": "hello"}]]
+    joined = [[{"role": "user", "content": "why\npaged attention?"}], [{"role": "user", "content": "hello"}]]
+    tables = []
+    for name, convs in (("parts", conversations), ("strings", joined)):
+        path = write_jsonl(tmp_path / f"{name}.jsonl", [batch_line(f"r{i}", c) for i, c in enumerate(convs)])
+        directory = run(make_config, tmp_path / name, f"job.input={path}", f"model.path={chat_checkpoint}",
+                        "model.dtype=float32")
+        tables.append(pq.read_table(directory / "generations.parquet"))
+    got, want = (t.select(["id", "prompt_tokens", "output_token_ids", "error"]).to_pylist() for t in tables)
+    assert got == want and all(r["error"] is None for r in got)
+
+
+# -- 9. compressed JSONL and files of neither format --------------------------------------------------
+def test_compressed_jsonl_reads_as_the_plain_file(tmp_path):
+    rows = [{"prompt": f"p{i}", "n": 1 + i % 2} for i in range(50)]
+    plain = write_jsonl(tmp_path / "in.jsonl", rows).read_bytes()
+    (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(plain))
+    for name in ("in.jsonl.zst", "in.jsonl.zstd"):
+        with pa.output_stream(str(tmp_path / name), compression="zstd") as out:
+            out.write(plain)
+    for name in ("in.jsonl.gz", "in.jsonl.zst", "in.jsonl.zstd"):
+        source = InputFiles(str(tmp_path / name))
+        assert pa.Table.from_batches(list(source.batches(["prompt", "n"], 16))).to_pylist() == rows, name
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.jsonl.gz").write_bytes(gzip.compress(plain))
+    (tmp_path / "dir" / "b.jsonl.zst").write_bytes((tmp_path / "in.jsonl.zst").read_bytes())
+    (tmp_path / "dir" / "c.jsonl").write_bytes(plain)
+    source = InputFiles(str(tmp_path / "dir"))
+    assert [p.name for p in source.paths] == ["a.jsonl.gz", "b.jsonl.zst", "c.jsonl"]
+    assert pa.Table.from_batches(list(source.batches(["prompt", "n"], 64))).to_pylist() == rows * 3
+
+
+def test_files_of_neither_format_say_what_they_are(tmp_path):
+    (tmp_path / "prompts.json.gz").write_bytes(gzip.compress(b'{"prompt": "a"}\n'))
+    (tmp_path / "prompts.json").write_text('{"prompt": "a"}\n')
+    (tmp_path / "prompts.csv").write_text("id,prompt\n1,hello\n")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    (tmp_path / "broken.jsonl.gz").write_bytes(b"not gzip at all")
+    cases = {
+        "prompts.json.gz": r"is not a readable Parquet file \(it is gzip-compressed \(a gzip-compressed JSONL file "
+                           r"must be named \*.jsonl.gz\)\)",
+        "prompts.json": r"is not a readable Parquet file \(it looks like JSONL: name it \*.jsonl\)",
+        "prompts.csv": r"is not a readable Parquet file \(it is text starting 'id,prompt', neither Parquet nor JSONL\)",
+        "empty.parquet": r"is not a readable Parquet file \(it is empty \(0 bytes\)\)",
+        "broken.jsonl.gz": r"job.input: cannot read .*broken.jsonl.gz \(.*incorrect header check\)",
+    }
+    for name, message in cases.items():
+        with pytest.raises(JobError, match=message):
+            InputFiles(str(tmp_path / name))
