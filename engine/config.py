@@ -24,7 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.nodes import FloatNode
 
-from engine.sequence import FIELD_KINDS, SamplingParams
+from engine.sequence import FIELD_KINDS, SamplingParams, takes_one_value
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -89,11 +89,16 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: Optional[int] = None  # sequences running at once; null: the device's default (CUDA 512, CPU 64)
     max_num_batched_tokens: Optional[int] = None  # tokens computed per step (decodes + prompt chunks); null: CUDA 16384, CPU 2048
+    step_timeout_s: Optional[float] = 60.0  # a step whose tokens take longer (or 20x the slowest step so far, if more) stops the run, its inputs saved; null: wait forever
 
 
 def _config_type(name: str):
-    """The config key's type for SamplingParams field `name`: its type (lists for tuples), or null."""
+    """The config key's type for SamplingParams field `name`: its type (lists for tuples), or null. A list
+    field that also takes one element alone (sampling.stop=QQQ) is untyped here, as OmegaConf has no union
+    of a list and a value: SamplingParams checks it (sampling_params, in validate)."""
     element, many, _ = FIELD_KINDS[name]
+    if takes_one_value(name):
+        return Any
     return Optional[list[element]] if many else Optional[element]
 
 
@@ -242,12 +247,17 @@ def key_field(key: str, job: str | None) -> tuple[type, dataclasses.Field]:
         owner = _schema_of(owner, part, job)
 
 
+def did_you_mean(name: str, known, form: str = "; did you mean {}?") -> str:
+    """`form` filled with the name in `known` closest to `name` (a misspelt key or option), or "" when
+    none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return form.format(close[0]) if close else ""
+
+
 def _unknown_key(key: str, parent: str, job: str | None) -> ConfigError:
     everything = known_keys(job)
-    close = difflib.get_close_matches(key, everything, n=1, cutoff=0.6)
     elsewhere = [name for name in JOB_SCHEMAS if parent == "job" and key in known_keys(name)]
-    hint = f"; it is a key of job={' and job='.join(elsewhere)}" if elsewhere else \
-        f"; did you mean {close[0]}?" if close else ""
+    hint = f"; it is a key of job={' and job='.join(elsewhere)}" if elsewhere else did_you_mean(key, everything)
     if parent:
         names = [k.removeprefix(f"{parent}.") for k in everything if k.startswith(f"{parent}.")]
         where = f"{parent} keys of job={job}" if parent == "job" else f"{parent} keys"
@@ -257,10 +267,12 @@ def _unknown_key(key: str, parent: str, job: str | None) -> ConfigError:
 
 
 def _leaves(node: DictConfig, prefix: str = ""):
-    """(dotted key, value node) of every leaf below `node`; lists are leaves."""
+    """(dotted key, value node) of every leaf below `node`; lists are leaves, and so are mappings that are
+    values (job.chat_template_kwargs={enable_thinking: false}) rather than groups of keys (a structured
+    config: its dataclass is its type)."""
     for key in node.keys():
         child = node._get_node(key)
-        if isinstance(child, DictConfig):
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
             yield from _leaves(child, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", child
@@ -351,6 +363,8 @@ def validate(cfg) -> None:
         modes += " (quote on and off in YAML files)"
     _check(c.cascade_attention in CASCADE_MODES, "cache.cascade_attention", f"must be one of {modes}", c.cascade_attention)
     _check(s.max_num_seqs is None or s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
+    _check(s.step_timeout_s is None or s.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0 or null",
+           s.step_timeout_s)
     _check(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
            "must be >= 1", s.max_num_batched_tokens)
     sampling_params(p)

@@ -12,12 +12,15 @@ block_size, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens, enable
 model.seed, the seed of random weights; a sampling seed is per request, SamplingParams.seed).
 
 generate() and chat() take everything at once and return one RequestOutput per prompt, in input order;
-a prompt that cannot run raises RequestError naming it before any work. stream() is the core the batch
+every prompt and its sampling_params are checked before any work, and the first that cannot run (a
+value of the wrong type, an unknown key of a dict prompt, a token id outside the vocabulary, ...) raises
+RequestError naming the argument and the prompt's index. stream() is the core the batch
 job (and a distributed executor) drives: requests come from any iterable and are pulled, tokenized and
 queued only while fewer than `window` are in the engine, results are yielded as they finish, and a
 request that cannot run yields an error result (RequestOutput.error) instead of raising.
 """
 import dataclasses
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from engine.config import CacheConfig, Config, ConfigError, ModelConfig, NoJob, SchedulerConfig, check_pool, validate
+from engine.config import (CacheConfig, Config, ConfigError, ModelConfig, NoJob, SchedulerConfig, check_pool,
+                           did_you_mean, validate)
 from engine.engine import LLMEngine, RequestError
 from engine.generation_config import resolve_sampling
 from engine.sequence import SamplingParams
@@ -36,6 +40,9 @@ SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerCo
 # engine option -> its config section: every field of the sections but the two that `model` sets
 OPTIONS = {f.name: section for section, schema in SECTIONS.items() for f in dataclasses.fields(schema)
            if f.name not in ("name", "path")}
+# a dict prompt holds one of these keys, as vLLM's TextPrompt and TokensPrompt: its type, in words
+DICT_PROMPTS = {"prompt": (str, "a string"), "prompt_token_ids": ((list, tuple), "a list of token ids")}
+PROMPT_KINDS = "a string, a list of token ids, or a dict with 'prompt' (a string) or 'prompt_token_ids'"
 
 
 @dataclass
@@ -95,7 +102,8 @@ def engine_config(model: str, **options) -> DictConfig:
     same conf/*.yaml defaults as the command line, built without Hydra's global state."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise TypeError(f"LLM() got unknown engine options {unknown}; known: {sorted(OPTIONS)}")
+        named = ", ".join(f"{name!r}{did_you_mean(name, OPTIONS, ' (did you mean {}?)')}" for name in unknown)
+        raise TypeError(f"LLM() got unknown engine options: {named} (known: {', '.join(sorted(OPTIONS))})")
     groups = default_groups()
     is_name = model in model_names()
     cfg = OmegaConf.structured(Config)
@@ -125,29 +133,34 @@ class LLM:
         self._start(engine_config(model, **engine_options))
 
     @classmethod
-    def from_config(cls, cfg) -> "LLM":
-        """An LLM on an already validated config (the jobs: Hydra composed it)."""
+    def from_config(cls, cfg, run_dir=None) -> "LLM":
+        """An LLM on an already validated config (the jobs: Hydra composed it); run_dir: where a stalled
+        step's inputs are saved (engine/watchdog.py)."""
         llm = cls.__new__(cls)
-        llm._start(cfg)
+        llm._start(cfg, run_dir)
         return llm
 
-    def _start(self, cfg) -> None:
+    def _start(self, cfg, run_dir=None) -> None:
         self.cfg = cfg
-        self.engine = LLMEngine(cfg)
+        self.engine = LLMEngine(cfg, run_dir)
         check_pool(self.engine.num_blocks, self.engine.block_size, self.engine.max_model_len)
         self.tokenizer = self.engine.tokenizer
         self.default_sampling = default_sampling(cfg, self.engine.generation_config)
+        check_run_sampling(self.engine, self.default_sampling)
         self._abandoned = False  # a stream was left before its end: its requests are still in the engine
 
     # -- everything at once --------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt (text or token ids), in input order. RequestError, before any
-        work, when a prompt cannot run (empty, too long for max_model_len or for the pool)."""
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        prompts = [prompts] if single else list(prompts)
-        return self._run_all([Request(i, prompt=p) if isinstance(p, str) else Request(i, prompt_token_ids=list(p))
-                              for i, p in enumerate(prompts)], sampling_params)
+        """One RequestOutput per prompt, in input order. A prompt is text, token ids, or vLLM's dict
+        prompts {"prompt": text} and {"prompt_token_ids": ids}; `prompts` is one or a list of them.
+        RequestError, before any work, when a prompt cannot run (not a prompt, empty, a token id outside
+        the vocabulary, too long for max_model_len or for the pool), naming `prompts[index]`."""
+        if _is_one_prompt(prompts):
+            return self._run_all([prompt_request(0, prompts, "prompts")], sampling_params)
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a prompt ({PROMPT_KINDS}) or a list of prompts, got {prompts!r}")
+        return self._run_all([prompt_request(i, p, f"prompts[{i}]") for i, p in enumerate(prompts)], sampling_params)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -155,6 +168,9 @@ class LLM:
         """generate() on conversations (lists of {"role", "content"}), through the tokenizer's chat template
         with the generation prompt added."""
         self.check_chat_template()
+        if not isinstance(messages, (list, tuple)):
+            raise RequestError(f"messages must be a conversation (a list of {{role, content}}) or a list of them, "
+                               f"got {messages!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run_all([Request(i, messages=m) for i, m in enumerate(conversations)], sampling_params,
                              chat_template_kwargs)
@@ -165,14 +181,8 @@ class LLM:
                               f"which conversations need")
 
     def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None) -> list[RequestOutput]:
-        if isinstance(sampling_params, Sequence):
-            if len(sampling_params) != len(requests):
-                raise ValueError(f"{len(sampling_params)} sampling_params for {len(requests)} prompts")
-            for request, params in zip(requests, sampling_params):
-                request.sampling_params = params
-        else:
-            for request in requests:
-                request.sampling_params = sampling_params
+        for request, params in zip(requests, per_request(sampling_params, len(requests))):
+            request.sampling_params = params
         for request in requests:  # every prompt checked before any work, as vLLM does
             try:
                 request.prompt_token_ids = self._token_ids(request, chat_template_kwargs)
@@ -236,6 +246,16 @@ class LLM:
         return request.sampling_params or self.default_sampling
 
     def _token_ids(self, request: Request, chat_template_kwargs) -> list[int]:
+        """The request's prompt as token ids, each checked to be in the vocabulary; RequestError if not."""
+        token_ids = self._tokenize(request, chat_template_kwargs)
+        vocab_size = self.engine.model.arch.vocab_size
+        outside = next((i for i, t in enumerate(token_ids) if not (_is_token_id(t) and 0 <= t < vocab_size)), None)
+        if outside is not None:
+            raise RequestError(f"token id {token_ids[outside]!r} at position {outside} is not in the vocabulary "
+                               f"[0, {vocab_size})")
+        return token_ids
+
+    def _tokenize(self, request: Request, chat_template_kwargs) -> list[int]:
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
         if request.messages is not None:
@@ -267,6 +287,78 @@ class LLM:
         if seq.finish_reason == "stop" and not seq.sampling.include_stop_str_in_output:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def check_run_sampling(engine: LLMEngine, sampling: SamplingParams) -> None:
+    """ConfigError naming sampling.<field> when the run's sampling values are beyond what this engine can
+    run (logprobs or prompt_logprobs over its vocabulary or the sampler's maximum): no row that keeps them
+    could run, so the job stops before any work rather than make every row an error. The engine's request
+    check is asked about a one-token prompt, which every other limit admits (validate and check_pool ensure
+    max_model_len >= 2 and a pool that holds a sequence of max_model_len), so what it rejects is the
+    sampling values."""
+    try:
+        engine.check_request(1, sampling)
+    except RequestError as err:
+        raise ConfigError(f"sampling.{err}") from None
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_one_prompt(prompts) -> bool:
+    """Whether generate()'s `prompts` is one prompt (text, a dict, token ids) rather than a list of them."""
+    return isinstance(prompts, (str, dict)) or \
+        isinstance(prompts, (list, tuple)) and len(prompts) > 0 and _is_token_id(prompts[0])
+
+
+def prompt_request(index: int, prompt, name: str) -> Request:
+    """The Request of generate()'s prompt `index` (called `name` in messages); RequestError naming it
+    when it is not a prompt (PROMPT_KINDS)."""
+    if isinstance(prompt, dict):
+        key = _dict_prompt_key(prompt, name)
+        value, name = prompt[key], f"{name}[{key!r}]"
+        kind, described = DICT_PROMPTS[key]
+        if not isinstance(value, kind):
+            raise RequestError(f"{name} must be {described}, got {value!r}")
+        return prompt_request(index, value, name)
+    if isinstance(prompt, str):
+        return Request(index, prompt=prompt)
+    if isinstance(prompt, (list, tuple)):
+        bad = next((i for i, token in enumerate(prompt) if not _is_token_id(token)), None)
+        if bad is not None:
+            raise RequestError(f"{name}[{bad}] must be a token id (an int), got {prompt[bad]!r}")
+        return Request(index, prompt_token_ids=[int(token) for token in prompt])
+    raise RequestError(f"{name} must be {PROMPT_KINDS}; got {prompt!r}")
+
+
+def _dict_prompt_key(prompt: dict, name: str) -> str:
+    """The one key of DICT_PROMPTS that dict prompt `name` holds; RequestError naming any other key."""
+    unknown = next((key for key in prompt if key not in DICT_PROMPTS), None)
+    if unknown is not None:
+        raise RequestError(f"{name} has unknown key {unknown!r}{did_you_mean(str(unknown), DICT_PROMPTS)} (a dict "
+                           f"prompt holds 'prompt' or 'prompt_token_ids')")
+    if len(prompt) != 1:
+        raise RequestError(f"{name} must hold one of 'prompt' and 'prompt_token_ids', got {prompt!r}")
+    return next(iter(prompt))
+
+
+def per_request(sampling_params, num_requests: int) -> list[SamplingParams | None]:
+    """generate()'s and chat()'s sampling_params (None, one, or one per prompt) for each of the requests;
+    ValueError for a list of another length, RequestError naming an entry that is not a SamplingParams."""
+    if not isinstance(sampling_params, (list, tuple)):
+        _check_sampling_params(sampling_params, "sampling_params")
+        return [sampling_params] * num_requests
+    if len(sampling_params) != num_requests:
+        raise ValueError(f"{len(sampling_params)} sampling_params for {num_requests} prompts")
+    for i, params in enumerate(sampling_params):
+        _check_sampling_params(params, f"sampling_params[{i}]")
+    return list(sampling_params)
+
+
+def _check_sampling_params(params, name: str) -> None:
+    if params is not None and not isinstance(params, SamplingParams):
+        raise RequestError(f"{name} must be a SamplingParams or None, got {params!r}")
 
 
 def check_messages(messages) -> None:

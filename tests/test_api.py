@@ -87,8 +87,11 @@ def test_engine_options_take_vllms_names(make_config):
     plain, hydra = engine_config("tiny"), make_config()
     for section in ("model", "cache", "scheduler", "sampling"):
         assert OmegaConf.to_container(plain[section]) == OmegaConf.to_container(hydra[section])
-    with pytest.raises(TypeError, match=r"LLM\(\) got unknown engine options \['max_num_seq', 'tensor_parallel'\]; known: "):
+    with pytest.raises(TypeError, match=r"^LLM\(\) got unknown engine options: 'max_num_seq' \(did you mean "
+                                        r"max_num_seqs\?\), 'tensor_parallel' \(known: architecture, block_size, "):
         LLM(model="tiny", max_num_seq=4, tensor_parallel=2)
+    with pytest.raises(TypeError, match=r"'gpu_memory_utilisation' \(did you mean gpu_memory_utilization\?\)"):
+        LLM(model="tiny", gpu_memory_utilisation=0.5)
     with pytest.raises(ConfigError, match=r"block_size: Value 'big' of type 'str' could not be converted to Integer"):
         LLM(model="tiny", block_size="big")
     with pytest.raises(ConfigError, match=r"cache.block_size must be >= 1, got 0"):
@@ -112,6 +115,67 @@ def test_a_prompt_that_cannot_run_stops_generate_before_any_work(tiny):
     with pytest.raises(ValueError, match=r"2 sampling_params for 3 prompts"):
         tiny.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()])
     assert len(tiny.engine.stats.steps) == steps and not tiny.engine.scheduler.has_work()
+
+
+def test_dict_prompts_are_vllms(tiny):
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    plain = tiny.generate(["hello", [5, 6, 7]], params)
+    as_dicts = tiny.generate([{"prompt": "hello"}, {"prompt_token_ids": [5, 6, 7]}], params)
+    assert [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in as_dicts] == \
+        [(o.prompt, o.prompt_token_ids, o.outputs[0].token_ids) for o in plain]
+    assert tiny.generate({"prompt": "hello"}, params)[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompts, message", [
+    (None, "prompts must be a prompt (a string, a list of token ids, or a dict with 'prompt' (a string) or "
+           "'prompt_token_ids') or a list of prompts, got None"),
+    (7, "prompts must be a prompt (a string, a list of token ids, or a dict with 'prompt' (a string) or "
+        "'prompt_token_ids') or a list of prompts, got 7"),
+    (["fine", 7], "prompts[1] must be a string, a list of token ids, or a dict with 'prompt' (a string) or "
+                  "'prompt_token_ids'; got 7"),
+    (["fine", None], "prompts[1] must be a string, a list of token ids, or a dict with 'prompt' (a string) or "
+                     "'prompt_token_ids'; got None"),
+    ([5, "a"], "prompts[1] must be a token id (an int), got 'a'"),  # one prompt of token ids
+    (["fine", [5, 2.5]], "prompts[1][1] must be a token id (an int), got 2.5"),
+    (["fine", [True]], "prompts[1][0] must be a token id (an int), got True"),
+    ([{"promt": "x"}], "prompts[0] has unknown key 'promt'; did you mean prompt? (a dict prompt holds 'prompt' or "
+                       "'prompt_token_ids')"),
+    ([{"prompt": "x", "multi_modal_data": {}}], "prompts[0] has unknown key 'multi_modal_data' (a dict prompt holds "
+                                                "'prompt' or 'prompt_token_ids')"),
+    ([{"prompt": "x", "prompt_token_ids": [1]}], "prompts[0] must hold one of 'prompt' and 'prompt_token_ids', got "
+                                                 "{'prompt': 'x', 'prompt_token_ids': [1]}"),
+    ([{"prompt": [1, 2]}], "prompts[0]['prompt'] must be a string, got [1, 2]"),
+    ([{"prompt_token_ids": "abc"}], "prompts[0]['prompt_token_ids'] must be a list of token ids, got 'abc'"),
+    ([{"prompt_token_ids": [1, "b"]}], "prompts[0]['prompt_token_ids'][1] must be a token id (an int), got 'b'"),
+    (["fine", [1, 2, 257]], "prompt 1: token id 257 at position 2 is not in the vocabulary [0, 257)"),
+    (["fine", {"prompt_token_ids": [-1]}], "prompt 1: token id -1 at position 0 is not in the vocabulary [0, 257)"),
+])
+def test_bad_prompts_are_named_before_any_work(tiny, prompts, message):
+    steps = len(tiny.engine.stats.steps)
+    with pytest.raises(RequestError) as err:
+        tiny.generate(prompts, SamplingParams(max_tokens=2))
+    assert str(err.value) == message
+    assert len(tiny.engine.stats.steps) == steps and not tiny.engine.scheduler.has_work()
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_tokens": 2}, "sampling_params must be a SamplingParams or None, got {'max_tokens': 2}"),
+    ([SamplingParams(), "x"], "sampling_params[1] must be a SamplingParams or None, got 'x'"),
+])
+def test_bad_sampling_params_are_named_before_any_work(tiny, params, message):
+    steps = len(tiny.engine.stats.steps)
+    with pytest.raises(RequestError) as err:
+        tiny.generate(["a", "b"], params)
+    assert str(err.value) == message
+    assert len(tiny.engine.stats.steps) == steps
+
+
+def test_an_out_of_vocabulary_id_in_a_stream_is_that_requests_error(tiny):
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    results = {o.request_id: o for o in tiny.stream([Request("ok", prompt="fine", sampling_params=params),
+                                                     Request("bad", prompt_token_ids=[3, 999])])}
+    assert results["bad"].error == "token id 999 at position 1 is not in the vocabulary [0, 257)"
+    assert results["ok"].error is None and len(results["ok"].outputs[0].token_ids) == 2
 
 
 def test_stream_pulls_requests_only_while_its_window_has_room(tiny):
@@ -150,10 +214,13 @@ def test_a_stream_left_half_way_does_not_leak_into_the_next(tiny):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
 
 
-def test_chat_applies_the_chat_template(chat_checkpoint, tiny):
-    with pytest.raises(ConfigError, match=r"model 'tiny' has no chat template"):
-        tiny.chat([{"role": "user", "content": "hi"}])
+def test_chat_applies_the_chat_template(chat_checkpoint, checkpoint_llm):
+    with pytest.raises(ConfigError, match=r"model 'qwen3-tiny.*' has no chat template"):  # saved without one
+        checkpoint_llm.chat([{"role": "user", "content": "hi"}])
     llm = LLM(model=str(chat_checkpoint), dtype="float32", max_model_len=128, device="cpu")
+    with pytest.raises(RequestError, match=r"^messages must be a conversation \(a list of \{role, content\}\) or a "
+                                           r"list of them, got None$"):
+        llm.chat(None)
     conversations = [[{"role": "user", "content": "hi"}],
                      [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why?"}]]
     params = SamplingParams(max_tokens=6)

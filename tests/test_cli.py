@@ -1,19 +1,28 @@
 """The command line: --help, our messages for what Hydra would reject, non-finite values, Ctrl-C during
 start-up, each error printed once on one line with no traceback; and the CPU thread count."""
+import gc
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
 
 from engine import run
 from engine.config import (AnalyzeJob, CacheConfig, ConfigError, ModelConfig, SamplingConfig, SchedulerConfig,
                            cpu_threads, key_help, validate)
 from engine.engine import LLMEngine
+from engine.generation_config import resolve_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -33,6 +42,19 @@ def test_help_lists_the_jobs_and_describes_the_keys():
     block_size = next(line for line in out.splitlines() if line.strip().startswith("cache.block_size=16 "))
     assert block_size.endswith(key_help(CacheConfig)["block_size"])
     assert "job.input=null" in out and "job.num_prompts" not in out  # the keys of the job chosen, generate
+    qwen2 = next(line for line in out.splitlines() if line.strip().startswith("model=qwen2.5-0.5b "))
+    assert qwen2.endswith("real ones: model.path=Qwen/Qwen2.5-0.5B or a checkpoint directory.")  # both comment lines
+
+
+def test_a_group_options_help_is_its_whole_opening_comment():
+    """Not the first line alone, which ends mid-sentence where a comment takes two."""
+    assert run.group_options("model")["qwen2.5-0.5b"] == (
+        "Qwen2.5-0.5B's architecture with random weights (benchmarks; q/k/v biases start at zero); real ones: "
+        "model.path=Qwen/Qwen2.5-0.5B or a checkpoint directory.")
+    assert run.group_options("job")["analyze"] == ("compare the runs of a sweep (job.root=<sweep dir>): sweep.parquet, "
+                                                   "an aligned table, PNG plots (jobs/analyze.py).")
+    assert run.opening_comment("# one\n#\n# two\nkey: 1  # not this\n# nor this\n") == "one two"
+    assert run.opening_comment("key: 1\n# after a key\n") == ""
 
 
 def test_help_lists_the_keys_of_the_job_chosen(make_config):
@@ -113,6 +135,103 @@ def test_errors_print_once_on_one_line(qwen3_checkpoint, tmp_path):
         assert "Traceback" not in out + err, (name, err)
 
 
+def test_a_failed_run_logs_its_error_and_a_run_names_its_model_and_input(qwen3_checkpoint, tmp_path):
+    """run.log gets the error line as stderr does (not the console twice), and it starts with the model path and
+    the input file."""
+    path, _ = qwen3_checkpoint
+    prompts = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), prompts)
+    cases = {  # name: (overrides, the error), one failing in validate, one when the engine is up
+        "validate": (["sampling.top_k=-2"], "sampling.top_k must be >= 1, or -1 or 0 (off), got -2"),
+        "engine": ([f"model.path={path}", f"job.input={prompts}", "sampling.logprobs=21"],
+                   "sampling.logprobs must be <= 20 (the vocabulary size or 20, the most the sampler returns), got 21"),
+    }
+    procs = {name: engine_run(*args, f"hydra.run.dir={tmp_path / name}", "model.device=cpu")
+             for name, (args, _) in cases.items()}
+    logs = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        message = cases[name][1]
+        assert proc.returncode == 1 and err.splitlines().count(f"error: {message}") == 1, (name, err)
+        assert message not in out, (name, out)  # printed once, on stderr
+        logs[name] = (tmp_path / name / "run.log").read_text()
+        assert logs[name].splitlines()[-1].endswith(f"[minipaged][ERROR] - {message}"), (name, logs[name])
+        assert list((tmp_path / name).rglob("*.parquet")) == [], name  # stopped before any work
+    assert f"job=generate: model.path={path}\n" in logs["engine"]
+    assert f"input: {prompts}\n" in logs["engine"]
+
+
+def test_a_default_run_names_the_shipped_sample_as_its_input(make_config, caplog):
+    from jobs import generate
+
+    with caplog.at_level(logging.INFO, logger="minipaged"):
+        run.log_start(make_config(), generate)
+    sample = ROOT / "jobs" / "sample_prompts.parquet"
+    assert caplog.messages == ["job=generate: model=tiny, random weights (model.path is null)",
+                               f"input: {sample} (job.input is null: the shipped sample)"]
+
+
+README_CHAT_KWARGS = "job.chat_template_kwargs={enable_thinking: false}"  # the README's override for Qwen3
+
+
+def test_chat_template_kwargs_from_the_command_line(make_config, chat_checkpoint, monkeypatch, tmp_path, frozen_gc):
+    assert f"'{README_CHAT_KWARGS}'" in README
+    run.check_overrides([README_CHAT_KWARGS])
+    cfg = make_config(README_CHAT_KWARGS)
+    validate(cfg)
+    assert OmegaConf.to_container(cfg.job.chat_template_kwargs) == {"enable_thinking": False}
+    # the whole way, from the command line to the template: chat_checkpoint's template takes a keyword, brief
+    prompts = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["hello"]}), prompts)
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    monkeypatch.setattr(sys, "argv", ["engine.run", f"job.input={prompts}", f"model.path={chat_checkpoint}",
+                                      "model.device=cpu", "model.max_model_len=128", "sampling.max_tokens=2",
+                                      "job.chat_template=true", "job.chat_template_kwargs={brief: true}",
+                                      f"hydra.run.dir={tmp_path / 'run'}"])
+    run.main()
+    templated = AutoTokenizer.from_pretrained(chat_checkpoint).apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=True, return_dict=False,
+        brief=True)
+    row = pq.read_table(tmp_path / "run" / "generations.parquet").to_pylist()[0]
+    assert row["error"] is None and row["prompt_tokens"] == len(templated)
+
+
+def test_the_readmes_newline_stop_string_is_a_newline(make_config, caplog):
+    """The README's command for a stop string of two newlines, as bash hands it over, reaches SamplingParams as
+    two newlines; the README's former example, a backslash and an n, is warned about."""
+    command = next(line for line in README.splitlines() if line.startswith("python -m engine.run $'sampling.stop="))
+    quoted = re.search(r"\$'[^']*'", command).group()
+    assert quoted == run.NEWLINE_STOP  # the warning shows the same
+    argument = subprocess.run(["bash", "-c", f"printf %s {quoted}"], capture_output=True, text=True, check=True).stdout
+    run.check_overrides([argument])
+    cfg = make_config(argument)
+    assert resolve_sampling(cfg.sampling, {}).stop == ("\n\n",)
+    with caplog.at_level(logging.WARNING, logger="minipaged"):
+        caplog.clear()
+        run.warn_escaped_newlines(cfg.sampling)
+        assert caplog.messages == []
+        run.warn_escaped_newlines(make_config(r"sampling.stop=['\n\n',END]").sampling)
+    assert caplog.messages == [r"sampling.stop '\n\n' holds a backslash and an n, not a newline; to pass a newline, "
+                               f"let the shell write one, e.g. {run.NEWLINE_STOP} in bash or zsh"]
+
+
+@pytest.fixture
+def frozen_gc():
+    """run.main freezes the garbage collector's objects (for a quick exit); the test process unfreezes them."""
+    yield
+    gc.unfreeze()
+
+
+def test_main_freezes_the_heap_before_the_exit(monkeypatch, capsys, frozen_gc):
+    """The interpreter's exit would otherwise run full collections over every object torch and the rest made
+    (0.5 s of the exit on the tiny job): main freezes them, on every way out."""
+    gc.unfreeze()
+    monkeypatch.setattr(sys, "argv", ["engine.run", "cache.blok_size=3"])
+    with pytest.raises(SystemExit):
+        run.main()
+    assert gc.get_freeze_count() > 0
+
+
 def interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
@@ -121,7 +240,7 @@ def interrupt(*args, **kwargs):
     ([], "engine.run.validate", run.STARTUP_INTERRUPTED),  # before the job starts
     (["job=bench"], "engine.models.loader.init_random_weights", "interrupted: job=bench stopped before it finished"),
 ])
-def test_ctrl_c_during_start_up(monkeypatch, capsys, tmp_path, args, where, message):
+def test_ctrl_c_during_start_up(monkeypatch, capsys, tmp_path, args, where, message, frozen_gc):
     monkeypatch.setattr(where, interrupt)
     monkeypatch.setattr(sys, "argv", ["engine.run", *args, f"hydra.run.dir={tmp_path}", "model.device=cpu"])
     with pytest.raises(SystemExit) as exit:

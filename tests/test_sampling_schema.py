@@ -8,7 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from engine import run
 from engine.config import ConfigError, SamplingConfig, key_help, validate
+from engine.generation_config import resolve_sampling
 from engine.engine import RequestError
 from engine.llm import Logprob, output_logprobs, prompt_logprobs
 from engine.sequence import SamplingParams, Sequence
@@ -24,7 +26,7 @@ def test_the_config_keys_and_the_row_columns_are_the_fields(make_config):
     assert ROW_SAMPLING == FIELDS
     cfg = make_config()
     assert all(cfg.sampling[name] is None for name in FIELDS)  # unset: generation_config.json, else the default
-    assert key_help(SamplingConfig)["top_k"] == ("sample from the k most likely tokens; <= 0: off "
+    assert key_help(SamplingConfig)["top_k"] == ("sample from the k most likely tokens; -1 or 0: off "
                                                  "(null: generation_config.json's value, else -1)")
     assert key_help(SamplingConfig)["stop"].endswith("(null: [])")
 
@@ -35,6 +37,8 @@ def test_the_config_keys_and_the_row_columns_are_the_fields(make_config):
     ("sampling.min_tokens=9", r"sampling.min_tokens must be in \[0, max_tokens=64\], got 9"),
     ("sampling.stop=['']", r"sampling.stop must not hold an empty string, got \(''\,\)"),
     ("sampling.logprobs=-1", "sampling.logprobs must be >= 0 or null, got -1"),
+    ("sampling.top_k=-2", r"sampling.top_k must be >= 1, or -1 or 0 \(off\), got -2"),
+    ("sampling.stop=7", "sampling.stop must be a string or a list of strings, got 7"),
     ("job.chat_template_kwargs=5", "job.chat_template_kwargs must be a mapping such as {enable_thinking: false}"),
 ])
 def test_impossible_sampling_settings(make_config, override, message):
@@ -50,8 +54,10 @@ def test_impossible_sampling_settings(make_config, override, message):
     ({"n": 1.5}, "n 1.5 is not a valid int"),
     ({"n": 0}, "n must be >= 1, got 0"),
     ({"ignore_eos": 1}, "ignore_eos 1 is not a valid bool"),
-    ({"stop": [1, 2]}, "stop must be a list of strings, got [1, 2]"),
-    ({"stop": 7}, "stop must be a list of strings, got 7"),
+    ({"stop": [1, 2]}, "stop must be a string or a list of strings, got [1, 2]"),
+    ({"stop": 7}, "stop must be a string or a list of strings, got 7"),
+    ({"stop_token_ids": 7}, "stop_token_ids must be a list of token ids, got 7"),  # one id alone: not vLLM's either
+    ({"top_k": -5}, "top_k must be >= 1, or -1 or 0 (off), got -5"),
     ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids, got ['a']"),
     ({"min_tokens": 5}, "min_tokens must be in [0, max_tokens=4], got 5"),
     ({"frequency_penalty": float("inf")}, "frequency_penalty inf is not a valid float"),
@@ -60,6 +66,29 @@ def test_bad_per_row_values_name_the_field(values, message):
     with pytest.raises(RequestError) as err:
         row_sampling(SamplingParams(max_tokens=4), values)
     assert str(err.value) == message
+
+
+def test_top_k_off_is_minus_one_or_zero():
+    """vLLM's rule: top_k >= 1 keeps the k most likely tokens, -1 and 0 turn it off (recent vLLM prefers 0; a
+    transformers generation_config.json writes 0 for off), below -1 is an error."""
+    off = SamplingParams(temperature=1.0, seed=3)
+    assert SamplingParams(temperature=1.0, seed=3, top_k=-1) == off
+    assert SamplingParams(temperature=1.0, seed=3, top_k=0).top_k == 0
+    with pytest.raises(ValueError, match=r"^top_k must be >= 1, or -1 or 0 \(off\), got -2$"):
+        SamplingParams(top_k=-2)
+
+
+@pytest.mark.parametrize("override, stop", [
+    ("sampling.stop=QQQ", ("QQQ",)),  # one string, as the README's table has it
+    ("sampling.stop='two words'", ("two words",)),
+    (r"sampling.stop=[QQQ,'\n\n']", ("QQQ", r"\n\n")),  # Hydra keeps a backslash as it is (README: $'...')
+    ("sampling.stop=[]", ()),
+])
+def test_one_stop_string_on_the_command_line(make_config, override, stop):
+    run.check_overrides([override])
+    cfg = make_config(override)
+    validate(cfg)
+    assert resolve_sampling(cfg.sampling, {}).stop == stop
 
 
 def test_per_row_values_are_converted():
@@ -84,11 +113,30 @@ def test_bad_rows_become_error_rows_naming_the_field(make_config, tmp_path, one_
     rows = pq.read_table(tmp_path / "run" / "generations.parquet").to_pylist()
     errors = {r["prompt"]: r["error"] for r in rows if r["finish_reason"] == "error"}
     assert errors == {"n": "n must be >= 1, got 0", "vocab": "logprobs must be <= 20 (the vocabulary size or 20, the most the sampler returns), got 1000",
-                      "stop": "stop must be a list of strings, got [1, 2]"}
+                      "stop": "stop must be a string or a list of strings, got [1, 2]"}
     assert [(r["prompt"], r["sample_index"], r["output_tokens"]) for r in rows if not r["error"]] == \
         [("ok", 0, 3), ("fine", 0, 3), ("fine", 1, 3)]
     names = pq.read_schema(tmp_path / "run" / "generations.parquet").names
     assert {"output_logprobs", "top_logprobs"} <= set(names) and "prompt_logprobs" not in names  # asked by a column
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sampling.logprobs=21"], r"^sampling.logprobs must be <= 20 \(the vocabulary size or 20, the most the sampler "
+                               r"returns\), got 21$"),
+    (["sampling.prompt_logprobs=21"], r"^sampling.prompt_logprobs must be <= 20 "),
+    (["model.vocab_size=12", "model.eos_token_id=11", "sampling.logprobs=13"], r"^sampling.logprobs must be <= 12 "),
+])
+def test_a_job_level_value_that_no_row_could_run_with_stops_the_job(make_config, tmp_path, one_thread, overrides,
+                                                                     message):
+    """The same limits as a row's value (an error row, above), but a job-level value would make every row an error:
+    like any other impossible setting it stops the job before any work, naming the key."""
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), path)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ConfigError, match=message):
+        generate_job(make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=64", *overrides),
+                     tmp_path / "run")
+    assert list((tmp_path / "run").rglob("*.parquet")) == []
 
 
 def test_openai_bodies_unknown_fields_and_n(make_config, chat_checkpoint, tmp_path, one_thread):
