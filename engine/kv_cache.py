@@ -4,6 +4,8 @@ The block table of a sequence is shared by every layer; each layer has its own c
 of a layer lives at [s // block_size, :, s % block_size, :].
 """
 import logging
+import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +35,8 @@ class PagedKVCache:
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
         shape = (num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_layers)]
+        self.key_caches = [zeros_on_first_touch(shape, dtype, device) for _ in range(spec.num_layers)]
+        self.value_caches = [zeros_on_first_touch(shape, dtype, device) for _ in range(spec.num_layers)]
         self.bytes = bytes_per_block(spec, block_size, dtype) * num_blocks
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -42,6 +44,18 @@ class PagedKVCache:
         stream order and without waiting for the device. dst holds no duplicates, and no block of src."""
         for cache in (*self.key_caches, *self.value_caches):
             cache[dst] = cache[src]
+
+
+def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros(shape), except that on the CPU its memory is a private anonymous mapping, which the
+    operating system fills with zeros a page at a time when the page is first touched: a CPU pool costs the
+    host the blocks that the job's rows write, not its whole size at start (torch.zeros writes every page:
+    seconds and GBs for a pool sized for max_num_seqs sequences of a large model)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 log = logging.getLogger("minipaged")
@@ -56,7 +70,8 @@ def num_blocks_for(cache_cfg, per_block: int, device: torch.device, max_model_le
     cache.num_blocks, else cache.kv_budget_gb // per_block: either must fit in the memory available now
     (host memory on the CPU, torch.cuda.mem_get_info on CUDA). Without them: on CUDA free_bytes (the
     share of device memory left for KV, kv_bytes_left), on the CPU HOST_KV_SHARE of the host memory
-    available after the weights, at most max_num_seqs sequences of max_model_len. A sized pool must hold
+    available after the weights, at most max_num_seqs sequences of max_model_len (a bound: the memory of a
+    CPU pool is taken block by block as the job writes them, zeros_on_first_touch). A sized pool must hold
     one sequence of max_model_len. Raises ConfigError, with the bytes needed and available, otherwise."""
     if cache_cfg.num_blocks is not None or cache_cfg.kv_budget_gb is not None:
         blocks = cache_cfg.num_blocks
@@ -76,8 +91,8 @@ def num_blocks_for(cache_cfg, per_block: int, device: torch.device, max_model_le
         blocks = min(int(available * HOST_KV_SHARE) // per_block, max_num_seqs * seq_blocks)
         where = f"the pool takes {HOST_KV_SHARE:.0%} of the {available / 1e9:.2f} GB of host memory available after the weights"
         remedy = f"set cache.kv_budget_gb (or cache.num_blocks) to a pool of at most {available / 1e9:.2f} GB"
-        log.info("KV pool on the CPU: %s, at most scheduler.max_num_seqs (%d) sequences of max_model_len: %d blocks",
-                 where, max_num_seqs, blocks)
+        log.info("KV pool on the CPU: %s, at most scheduler.max_num_seqs (%d) sequences of max_model_len: %d blocks "
+                 "(its memory taken as the rows first write its blocks)", where, max_num_seqs, blocks)
     if blocks < seq_blocks:
         raise ConfigError(
             f"cache: one sequence of model.max_model_len {max_model_len} needs {seq_blocks * per_block / 1e9:.2f} GB "

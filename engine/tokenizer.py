@@ -1,10 +1,15 @@
-"""Tokenizers: a checkpoint's own, or a byte-level one (256 byte tokens + <|endoftext|>) for random models."""
+"""Tokenizers: a checkpoint's own, or for random models a byte-level one (256 byte tokens + <|endoftext|>) with a
+ChatML-like chat template."""
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.config import ConfigError
 from engine.models.loader import resolve_model_path
 
 ENDOFTEXT = "<|endoftext|>"
+# ChatML's layout with its markers spelled out in byte tokens: as special tokens they would need a larger
+# vocabulary, hence other random weights and other outputs for every job on a random model
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def byte_level_tokenizer() -> PreTrainedTokenizerFast:
@@ -18,11 +23,18 @@ def byte_level_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=ENDOFTEXT, pad_token=ENDOFTEXT)
 
 
+def random_model_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with CHATML_TEMPLATE as its chat template: what a model without model.path uses."""
+    tokenizer = byte_level_tokenizer()
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
 def load_tokenizer(model_cfg):
-    """The tokenizer of model.path's checkpoint (the directory build_model loads), else the byte-level one."""
+    """The tokenizer of model.path's checkpoint (the directory build_model loads), else random_model_tokenizer."""
     path = resolve_model_path(model_cfg)
     if path is None:
-        return byte_level_tokenizer()
+        return random_model_tokenizer()
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:  # tokenizers and transformers raise many kinds for a broken file

@@ -33,12 +33,16 @@ that output_tok_per_s is the job's end-to-end rate. The start-up and the tail, i
     tail_s          from the first engine's end (its last batch) to the last engine's: engines idle at the end
     engine_ready_s, engine_done_s   per engine: when it was ready, and when it finished its last batch
 """
+import contextlib
 import itertools
 import logging
 import math
+import os
 import pickle
+import subprocess
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,6 +67,21 @@ from jobs.results import PART_SCHEMA, ResultWriter
 log = logging.getLogger("minipaged")
 ENGINES_READY_TIMEOUT_S = 3600  # the pool's actors must all be built by then (model loads included)
 ENGINE_STEPS_SCHEMA = pa.schema([("engine", pa.int64()), *STEPS_SCHEMA])  # steps.parquet of executor=ray
+# Ray Data keeps its actors' constructor arguments in the object store, so Ray's core worker logs this line
+# (at ERROR, to the driver's stderr, once per process) as the engines' pool starts. The restarts it warns
+# about work here (Ray Data holds those objects while the job runs), and Ray has no switch for this line
+# alone: RAY_BACKEND_LOG_LEVEL=fatal would hide every error of Ray's C++, and print a line of its own.
+RAY_ACTOR_ARGS_NOTICE = (r"\[[^\]\n]* E [^\]\n]*\] core_worker\.cc:\d+: Actor with class name: [^\n]*"
+                         r"has constructor arguments in the object store[^\n]*\n?")
+# stderr_without's filter, run by a Python of its own: it outlives this process, so what is written just
+# before a crash (a fatal error of Ray's C++) still comes out.
+LINE_FILTER = """\
+import os, re, sys
+drop = re.compile(sys.argv[1].encode())
+while chunk := os.read(0, 1 << 16):
+    sys.stdout.buffer.write(drop.sub(b"", chunk))
+    sys.stdout.buffer.flush()
+"""
 
 
 # -- the engines (Ray actors) -------------------------------------------------------------------------
@@ -176,6 +195,26 @@ def start_ray(executor) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def stderr_without(pattern: str) -> Iterator[None]:
+    """While inside, what this process writes to file descriptor 2 (Python's and C++'s alike) goes through
+    a filter that drops the matches of the regular expression `pattern` and passes the rest on as it comes.
+    Meant for a short stretch: no process may be started inside (it would inherit the filter's pipe)."""
+    sys.stderr.flush()
+    original = os.dup(2)
+    drop = subprocess.Popen([sys.executable, "-c", LINE_FILTER, pattern], stdin=subprocess.PIPE, stdout=original,
+                            start_new_session=True)  # Ctrl-C stops the job, not its stderr
+    os.dup2(drop.stdin.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(original, 2)
+        os.close(original)
+        drop.stdin.close()  # the pipe's last writer: the filter writes out the rest and ends
+        drop.wait()
+
+
 def engine_count(executor) -> int:
     """executor.num_engines, or one engine per executor.gpus_per_engine GPUs that Ray sees; ConfigError
     when the pool cannot be placed."""
@@ -228,7 +267,9 @@ def execute(cfg, engine: type, dataset: Callable[[int], ray.data.Dataset], num_r
                  cfg.executor.gpus_per_engine, batch_size)
         progress, batches = Progress(num_rows), iter(outputs.iter_batches(batch_size=None, batch_format="pyarrow"))
         try:
-            for batch in batches:
+            with stderr_without(RAY_ACTOR_ARGS_NOTICE):  # Ray Data starts the pool for the first batch
+                first = list(itertools.islice(batches, 1))
+            for batch in itertools.chain(first, batches):
                 for output_tokens in take(batch):
                     progress.finished(output_tokens)
                 after_batch(collector)

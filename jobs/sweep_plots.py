@@ -23,6 +23,14 @@ def label_of(row: dict, keys: list[str]) -> str:
     return ", ".join(f"{short_key(k)}={row[k]}" for k in keys)
 
 
+def sweep_title(swept: list[str], rows: list[dict]) -> str:
+    """sweep.png's title: the swept keys (short names), the number of runs and the devices they ran on."""
+    keys = ", ".join(short_key(k) for k in shown_keys(swept))
+    devices = sorted({r.get("device_name") or r.get("device") for r in rows} - {None})
+    runs = f"{len(rows)} run{'' if len(rows) == 1 else 's'}"
+    return (f"Sweep over {keys}: " if keys else "") + runs + (f" on {', '.join(devices)}" if devices else "")
+
+
 def read_steps(root: Path, sweep: pa.Table) -> dict[str, pa.Table]:
     steps = {}
     for run in sweep["run"].to_pylist():
@@ -114,8 +122,7 @@ def plot(sweep: pa.Table, swept: list[str], steps: dict[str, pa.Table], out: Pat
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for ax, draw in zip(axes.flat, (throughput, utilization, waste, over_steps)):
         draw(ax)
-    device = {r.get("device_name") or r.get("device") for r in rows} - {None}
-    fig.suptitle(f"Block-size sweep: {len(rows)} runs" + (f" on {', '.join(sorted(device))}" if device else ""))
+    fig.suptitle(sweep_title(swept, rows))
     fig.tight_layout()
     fig.savefig(out / "sweep.png", dpi=80)
     plt.close(fig)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
+from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from jobs.parquet import META_CONFIG, META_VERSION, SCHEMA_VERSION, write_atomic
@@ -114,6 +116,24 @@ def test_swept_keys_beyond_block_size_get_columns_and_lines(tmp_path, capsys):
         [(8, 0.001), (8, 0.002), (16, 0.001), (16, 0.002)]
     assert "cache.kv_budget_gb" in capsys.readouterr().out.splitlines()[0]
     assert not (tmp_path / "sweep.png").exists()
+
+
+@pytest.mark.parametrize("block_sizes, budgets, title", [
+    ([8, 16, 32], [0.001], "Sweep over block_size: 3 runs on cpu"),
+    ([16], [0.001, 0.002], "Sweep over kv_budget_gb: 2 runs on cpu"),
+    ([8, 16], [0.001, 0.002], "Sweep over block_size, kv_budget_gb: 4 runs on cpu"),
+])
+def test_the_sweep_plot_is_titled_after_the_swept_keys(tmp_path, monkeypatch, block_sizes, budgets, title):
+    titles = []
+    monkeypatch.setattr(Figure, "suptitle", lambda figure, text, **options: titles.append(text))
+    for block_size in block_sizes:
+        for budget in budgets:
+            directory = tmp_path / f"b{block_size}-{budget}"
+            directory.mkdir()
+            write_atomic(pa.Table.from_pylist([summary_row(block_size)]), directory / "summary.parquet",
+                         config(block_size, budget))
+    analyze(tmp_path, tmp_path / "report")
+    assert titles == [title]
 
 
 def test_analyze_job_errors_are_one_line(tmp_path):

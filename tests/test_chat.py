@@ -1,12 +1,18 @@
 """Chat templates in the generate job: a conversation column (a list of {role, content} structs), or a text column
 with job.chat_template=true; token ids against the tokenizer's own apply_chat_template, outputs against
-transformers' generate on those ids (float32, greedy)."""
+transformers' generate on those ids (float32, greedy). The random models' ChatML-like template against the
+conversations written out by hand, through LLM.chat, a conversation column and an OpenAI batch file."""
+import json
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from test_inputs import batch_line, write_jsonl
 from test_oracle import MAX_TOKENS, reference_outputs
 from transformers import AutoTokenizer
 
+from engine import LLM, SamplingParams
 from jobs import JobError
 from jobs.generate import generate_job
 
@@ -62,10 +68,66 @@ def test_chat_template_true_makes_a_text_prompt_one_user_message(make_config, ch
 
 @pytest.mark.parametrize("overrides, table, message", [
     ((), pa.table({"prompt": pa.array([CONVERSATIONS[0]], pa.list_(MESSAGE))}),
-     "job.prompt_column 'prompt' holds conversations, but model 'tiny' has no chat template"),
+     "job.prompt_column 'prompt' holds conversations, but model '.*' has no chat template"),
     (("job.chat_template=true",), pa.table({"prompt": ["hi"]}),
-     "job.chat_template is true, but model 'tiny' has no chat template"),
+     "job.chat_template is true, but model '.*' has no chat template"),
 ])
-def test_a_tokenizer_without_a_template_stops_the_job(make_config, tmp_path, overrides, table, message):
+def test_a_tokenizer_without_a_template_stops_the_job(make_config, qwen3_checkpoint, tmp_path, overrides, table,
+                                                      message):
+    path, _ = qwen3_checkpoint  # its byte-level tokenizer was saved without a template
     with pytest.raises(JobError, match=message):
-        run_job(make_config, tmp_path, table, *overrides)
+        run_job(make_config, tmp_path, table, f"model.path={path}", *overrides)
+
+
+# -- the random models' template (engine/tokenizer.py's CHATML_TEMPLATE) -------------------------------------
+CHATML = [  # CONVERSATIONS in ChatML's layout, by hand
+    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhy paged attention?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\ncount<|im_end|>\n<|im_start|>assistant\n1 2<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n"
+    "<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat():
+    """The tiny model as the jobs below build it, and its greedy outputs on CHATML as text prompts."""
+    llm = LLM(model="tiny", dtype="float32", max_model_len=256, device="cpu")
+    return llm, llm.generate(CHATML, SamplingParams(max_tokens=MAX_TOKENS))
+
+
+def test_the_tiny_model_chats_through_chatml(tiny_chat, one_thread):
+    llm, expected = tiny_chat
+    outputs = llm.chat(CONVERSATIONS, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [len(o.prompt_token_ids) for o in outputs] == [len(text.encode()) for text in CHATML]  # a token a byte
+    assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_conversation_column_on_the_tiny_model(make_config, tiny_chat, tmp_path, one_thread):
+    _, expected = tiny_chat
+    rows = run_job(make_config, tmp_path, pa.table({"prompt": pa.array(CONVERSATIONS, pa.list_(MESSAGE))}))
+    assert [r["prompt_tokens"] for r in rows] == [len(text.encode()) for text in CHATML]
+    assert [r["output_token_ids"] for r in rows] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_an_openai_batch_file_on_the_tiny_model(make_config, tiny_chat, tmp_path, one_thread):
+    _, expected = tiny_chat
+    path = write_jsonl(tmp_path / "batch.jsonl", [batch_line(f"req-{i}", c) for i, c in enumerate(CONVERSATIONS)])
+    cfg = make_config(f"job.input={path}", "job.output_format=openai", "model.device=cpu", "model.dtype=float32",
+                      "model.max_model_len=256", f"sampling.max_tokens={MAX_TOKENS}")
+    (tmp_path / "run").mkdir()
+    generate_job(cfg, tmp_path / "run")
+    results = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["req-0", "req-1", "req-2"]
+    assert [r["response"]["body"]["usage"]["prompt_tokens"] for r in results] == [len(t.encode()) for t in CHATML]
+    assert [r["response"]["body"]["choices"][0]["message"]["content"] for r in results] == \
+        [o.outputs[0].text for o in expected]
+
+
+def test_the_readmes_api_example_runs_as_written(one_thread):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = readme.split("## The Python API\n\n```python\n", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(example, namespace)  # the tiny model on the CPU: ids in its vocabulary, a chat template
+    assert [o.prompt_token_ids for o in namespace["outputs"]][1] == [39, 68, 75, 75, 78]
+    assert namespace["llm"].tokenizer.decode([39, 68, 75, 75, 78]) == "Hello"  # as the README says

@@ -1,5 +1,7 @@
 """The KV pool sized from the memory there is, and refused before anything is allocated when it cannot fit
-(engine/kv_cache.py). Available memory is monkeypatched: nothing here allocates more than the tiny model."""
+(engine/kv_cache.py); a CPU pool's memory taken as its blocks are written. Available memory is monkeypatched:
+nothing here allocates more than the tiny model, or touches more than a few pages of a larger pool."""
+import ctypes
 import os
 import subprocess
 import sys
@@ -11,7 +13,7 @@ import torch
 from engine import kv_cache
 from engine.config import ConfigError
 from engine.engine import LLMEngine
-from engine.kv_cache import host_memory_available, num_blocks_for
+from engine.kv_cache import KVCacheSpec, PagedKVCache, host_memory_available, num_blocks_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -94,6 +96,31 @@ def test_the_engine_sizes_its_cpu_pool_from_host_memory(make_config, host_memory
     host_memory(2 * 100 * 8192 + 1)
     engine = LLMEngine(make_config("model.device=cpu", "model.max_model_len=512"))
     assert engine.num_blocks == 100 and engine.kv_cache.bytes == 100 * 8192
+
+
+def resident_pages(tensor: torch.Tensor) -> int:
+    """How many of the memory pages under `tensor` are resident, as the kernel's mincore(2) reports them."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    num_pages = -(-(tensor.data_ptr() + tensor.nbytes - start) // page)
+    flags = (ctypes.c_ubyte * num_pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(num_pages * page), flags) == 0, ctypes.get_errno()
+    return sum(f & 1 for f in flags)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="mincore(2) through Linux's libc")
+def test_a_cpu_pool_takes_host_memory_as_its_blocks_are_written():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64)  # 2 x 16 x 64 float32 = 8 KiB a block a layer
+    pool = PagedKVCache(spec, num_blocks=32768, block_size=16, dtype=torch.float32, device=CPU)  # 256 MiB a layer
+    caches, block_bytes, page = pool.key_caches + pool.value_caches, 8192, os.sysconf("SC_PAGE_SIZE")
+    assert [resident_pages(c) for c in caches] == [0, 0, 0, 0]
+    written = [3, 4, 1000]
+    pool.key_caches[0][written] = 1.0
+    pages = {byte // page for b in written for byte in range(b * block_bytes, (b + 1) * block_bytes, 512)}
+    assert [resident_pages(c) for c in caches] == [len(pages), 0, 0, 0]
+    keys = pool.key_caches[0]
+    assert keys[[0, 5, 32767]].abs().sum() == 0 and keys[written].sum() == 3 * block_bytes / 4  # zeros elsewhere
 
 
 def test_a_pool_beyond_memory_stops_the_job_with_a_message(tmp_path):

@@ -1,7 +1,8 @@
 """executor=ray (jobs/ray_executor.py) on one local Ray of 2 CPUs, shared by the module: two CPU engines on
 the tiny model write the rows executor=local writes; an engine killed mid-run or a driver stopped mid-run
 leaves every id exactly once; the bench splits its workload; bad executor settings get a message naming
-the key; the local executor never imports Ray."""
+the key; the local executor never imports Ray; Ray's notice about its actors' arguments stays off stderr, and
+everything else written there comes out."""
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from jobs.results import ResultWriter
 
 ray = pytest.importorskip("ray")
 from jobs import bench, ray_executor  # noqa: E402 (imports Ray)
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_ROWS = 20
@@ -70,6 +73,32 @@ def local_rows(local) -> list[dict]:
 
 def stats(directory: Path) -> tuple[pa.Table, dict]:
     return pq.read_table(directory / "steps.parquet"), pq.read_table(directory / "summary.parquet").to_pylist()[0]
+
+
+ACTOR_ARGS_NOTICE = ("[2026-12-01 14:51:56,339 E 13341 13341] core_worker.cc:2465: Actor with class name: "
+                     "'MapWorker(MapBatches(GenerateEngine))' and ID: '6e8acae71cfb057f534c4d5601000000' has constructor "
+                     "arguments in the object store and max_restarts > 0. If the arguments in the object store go out "
+                     "of scope or are lost, the actor restart will fail.\n")  # as Ray 2.60 writes it
+
+
+def test_stderr_without_drops_only_the_notice(capfd):
+    other_error = "[2026-12-01 14:51:56,400 E 13341 13341] core_worker.cc:2700: Failed to register actor: boom\n"
+    with ray_executor.stderr_without(ray_executor.RAY_ACTOR_ARGS_NOTICE):
+        os.write(2, b"\rgenerate:  50%")  # a progress bar's update: no newline
+        os.write(2, ACTOR_ARGS_NOTICE.encode())
+        os.write(2, other_error.encode())
+    os.write(2, ACTOR_ARGS_NOTICE.encode())  # outside: as written
+    assert capfd.readouterr().err == "\rgenerate:  50%" + other_error + ACTOR_ARGS_NOTICE
+
+
+def test_a_ray_job_starts_without_rays_notice_on_stderr(tmp_path):
+    # before the module's cluster starts: this job starts a Ray of its own
+    result = subprocess.run([sys.executable, "-m", "engine.run", "executor=ray", "executor.num_engines=1",
+                             "executor.gpus_per_engine=0", "sampling.max_tokens=2", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "TQDM_DISABLE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "core_worker.cc" not in result.stderr and "constructor arguments" not in result.stderr
+    assert pq.read_table(tmp_path / "generations.parquet").num_rows == 16
 
 
 def test_two_engines_write_the_rows_the_local_executor_writes(cluster, prompts, local, local_rows, tmp_path):
@@ -142,9 +171,10 @@ def test_the_bench_splits_its_workload_over_the_engines(cluster, tmp_path, monke
     assert set(steps["engine"].to_pylist()) == {0, 1} and sum(steps["finished"].to_pylist()) == 6
 
 
-def test_an_engines_own_error_stops_the_job_with_its_message(cluster, prompts, tmp_path):
-    with pytest.raises(JobError, match="job.chat_template is true, but model 'tiny' has no chat template"):
-        generate(prompts, tmp_path, *RAY, "executor.num_engines=1", "job.chat_template=true")
+def test_an_engines_own_error_stops_the_job_with_its_message(cluster, prompts, qwen3_checkpoint, tmp_path):
+    path, _ = qwen3_checkpoint  # its tokenizer has no chat template
+    with pytest.raises(JobError, match="job.chat_template is true, but model '.*' has no chat template"):
+        generate(prompts, tmp_path, *RAY, "executor.num_engines=1", "job.chat_template=true", f"model.path={path}")
 
 
 def test_without_a_gpu_the_number_of_engines_must_be_set(cluster):
