@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
-# Sections: tests nano long topp shared models samples logprobs profile baseline sweep piecewise
-# (default: tests nano long topp shared profile).
+# Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise
+# (default: tests nano long topp shared profile). hang: issue 28's top-p job (4,096 random prompts, top_p
+# alone), which hung the GPU before the truncating sampler's rounds were bounded.
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
 # TESTS_K: a pytest -k filter for the tests section (default: the whole suite); PROFILE: profile_decode.py's
 # SEQS:CONTEXT list; BENCH_ARGS: extra overrides for every bench run; MODEL: the model (default qwen3-0.6b).
@@ -50,6 +51,8 @@ want nano && { bench nano job.workload=nano; steps $runs/nano/steps.parquet; cp 
 want long && { bench long job.workload=long; steps $runs/long/steps.parquet; cp $runs/long/steps.parquet "$out/long_steps.parquet"; }
 want topp && { bench long_topp job.workload=long sampling.top_p=0.95 sampling.top_k=20; steps $runs/long_topp/steps.parquet; }
 want shared && { bench shared job.workload=shared_prefix; steps $runs/shared/steps.parquet; cp $runs/shared/steps.parquet "$out/shared_steps.parquet"; }
+want hang && bench hang job.num_prompts=4096 'job.input_len=[100,2000]' 'job.output_len=[16,512]' job.seed=7 \
+  sampling.temperature=0.8 sampling.top_p=0.95
 if want piecewise; then  # the same three workloads with steps that carry prompt chunks run eagerly (no piecewise graphs)
   for w in nano shared_prefix long; do bench ${w}_eager job.workload=$w model.piecewise_graphs=false; steps $runs/${w}_eager/steps.parquet; done
 fi

@@ -2,6 +2,7 @@
 import itertools
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.stats import StatsRecorder, snapshot
 from engine.tokenizer import load_tokenizer
+from engine.watchdog import stalled, step_deadline_s, wait_until
 
 log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -65,8 +67,10 @@ def piecewise_graphs_on(model_cfg, device: torch.device) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, cfg):
+    def __init__(self, cfg, run_dir: Path | None = None):
+        """run_dir: where a stalled step's inputs are saved (engine/watchdog.py); None: a temporary directory."""
         self.cfg = cfg
+        self.run_dir = run_dir
         self.max_model_len = cfg.model.max_model_len
         self.device, self.dtype = resolve_device(cfg.model)
         self.model, config_eos = build_model(cfg.model, self.device, self.dtype)
@@ -103,6 +107,8 @@ class LLMEngine:
         self.stats = StatsRecorder()
         self._seq_ids = itertools.count()
         self._in_flight: InFlight | None = None
+        self._slowest_step_s = 0.0
+        self._fallbacks_reported = 0
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -187,12 +193,13 @@ class LLMEngine:
         the device still runs step N."""
         batch = self.scheduler.schedule()
         stats = snapshot(len(self.stats.steps), batch, self.scheduler, self.block_manager, self.max_model_len)
-        launched = self.runner.launch(batch, self._in_flight) if batch.seqs else None
+        launched = self.runner.launch(batch, self._in_flight, stats.step) if batch.seqs else None
         stats.cascade_rows = self.runner.cascade_rows if batch.seqs else 0
         self._account(batch)
         finished = self._resolve(self._in_flight) if self._in_flight else []
         self._in_flight = launched
         stats.finished, stats.step_time_s = len(finished), self.stats.lap()
+        self._slowest_step_s = max(self._slowest_step_s, stats.step_time_s)
         if batch.seqs:
             self.stats.add(stats)
         elif self.stats.steps:  # only resolved the step before: its time and finishes belong to that one
@@ -215,7 +222,7 @@ class LLMEngine:
 
     def _resolve(self, step: InFlight) -> list[Sequence]:
         """Fill in the tokens of a finished step and retire the sequences they end."""
-        finished, tokens, logprobs = [], self.runner.tokens(step), step.logprobs
+        finished, tokens, logprobs = [], self._tokens(step), step.logprobs
         if logprobs is not None:
             logprobs.add_prompts()
         for row, (seq, index, token) in enumerate(zip(step.seqs, step.output_index, tokens)):
@@ -232,6 +239,14 @@ class LLMEngine:
             elif self.prefix_caching and (len(seq.prompt_token_ids) + index + 1) % self.block_size == 0:
                 self._register_block_of_outputs(seq)
         return finished
+
+    def _tokens(self, step: InFlight) -> list[int]:
+        """The step's sampled tokens, once the device has them; StepTimeout (its inputs saved in run_dir)
+        if that takes longer than the watchdog's deadline."""
+        deadline = step_deadline_s(self.cfg.scheduler.step_timeout_s, self._slowest_step_s)
+        if not wait_until(step.done, deadline):
+            raise stalled(step.inputs, deadline, self.run_dir)
+        return step.host_tokens.tolist()
 
     def _register_block_of_outputs(self, seq: Sequence) -> None:
         """A block of known tokens completed by outputs: hash it, and offer it to the cache if the
@@ -280,3 +295,14 @@ class LLMEngine:
         """Step until every queued request has finished, yielding each as it finishes."""
         while self.scheduler.has_work() or self._in_flight:
             yield from self.step()
+        fallbacks = self.sampler_fallbacks
+        if fallbacks > self._fallbacks_reported:
+            log.warning("%d draws so far took the truncating sampler's exact fallback (its rounds ran out: "
+                        "ops/sampling.py)", fallbacks)
+            self._fallbacks_reported = fallbacks
+
+    @property
+    def sampler_fallbacks(self) -> int:
+        """Rows drawn through the truncating sampler's exact fallback since the engine started (waits for
+        the device)."""
+        return int(self.runner.sampler_fallbacks.item())

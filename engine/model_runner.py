@@ -25,10 +25,11 @@ from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
 from engine.prefix_groups import CascadePolicy, find_prefix_groups
-from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, sample, to_host
+from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, draw, processed_logits, to_host
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import Sequence
 from engine.staging import upload, upload_rows
+from engine.watchdog import StepInputs
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
 _SEQ_ID, _COMPUTED, _SAMPLING = attrgetter("seq_id"), attrgetter("num_computed_tokens"), attrgetter("sampling")
@@ -43,6 +44,7 @@ class ModelRunner:
         self.cascade_rows = 0  # decode rows of the last prepared step that read a shared prefix
         self.eos_token_ids = tuple(eos_token_ids)  # banned before min_tokens
         self.history = TokenHistory(max_blocks_per_seq * block_manager.block_size, device)
+        self.sampler_fallbacks = torch.zeros(1, dtype=torch.int32, device=device)  # rows drawn by the exact fallback
         self.graphs = None
         if device.type == "cuda" and max_graph_batch > 0:
             self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device, cascade)
@@ -53,10 +55,10 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return upload(array, self.device)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                           torch.Tensor]:
         """input_ids [T], positions [T], attention metadata, and the rows whose logits are sampled (the
-        last row of each sequence that draws)."""
-        starts = np.fromiter(map(_COMPUTED, batch.seqs), np.int64, len(batch.seqs))
+        last row of each sequence that draws); starts: int64 [S], the tokens each sequence has computed."""
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         positions = new_token_positions(starts, counts)
@@ -98,11 +100,12 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: "InFlight | None") -> "InFlight | None":
+    def launch(self, batch: ScheduledBatch, previous: "InFlight | None", step: int) -> "InFlight | None":
         """Enqueue the batch's forward and sampling without waiting for the device; None when no sequence
         draws a token in this step. Tokens that are still placeholders on the host come from the previous
-        step's device output."""
-        input_ids, positions, meta, sampled_rows = self.prepare(batch)
+        step's device output. step: the engine's number for it (the watchdog's reports)."""
+        starts = np.fromiter(map(_COMPUTED, batch.seqs), np.int64, len(batch.seqs))
+        input_ids, positions, meta, sampled_rows = self.prepare(batch, starts)
         if previous is not None:
             self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
@@ -117,13 +120,16 @@ class ModelRunner:
         output_index = [len(s.output_token_ids) for s in drawing]  # the index of the token each draws
         params = SamplingTensors.build(list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size,
                                        self.device, self.eos_token_ids, penalised)
-        tokens = sample(logits, params)
+        processed = processed_logits(logits, params)
+        inputs = StepInputs(step, batch.phase, batch.seqs, starts, batch.num_new_tokens, batch.slot_mapping, drawing,
+                            processed, params.rows(), recorded_event(self.device))
+        tokens = draw(processed, params, self.sampler_fallbacks)
         if params.penalties is not None:
             self.history.record(params.penalties, tokens)
         asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]
         k = max((a for a in asked if a is not None), default=None)
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
-        return InFlight.start(tokens, drawing, output_index, logprobs)
+        return InFlight.start(tokens, drawing, output_index, inputs, logprobs)
 
     def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Copy the forked samples' partial blocks (after the forward that wrote them, before any later
@@ -181,12 +187,6 @@ class ModelRunner:
             dst, src = self._to_device(np.stack([ends[waiting], src[waiting]]))
             input_ids[dst] = previous.device_tokens[src]
 
-    @staticmethod
-    def tokens(step: "InFlight") -> list[int]:
-        """The step's sampled tokens on the host (waits for the device)."""
-        if step.copied is not None:
-            step.copied.synchronize()
-        return step.host_tokens.tolist()
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:
@@ -204,20 +204,30 @@ class InFlight:
     output_index: list[int]  # where each sequence's token goes in its output_token_ids
     rows: dict[int, int]  # seq_id -> row of device_tokens
     device_tokens: torch.Tensor  # int64 [len(seqs)]
-    host_tokens: torch.Tensor
+    host_tokens: torch.Tensor  # valid once done()
+    inputs: StepInputs
     logprobs: StepLogprobs | None  # its host copy is enqueued before `copied` is recorded
     copied: "torch.cuda.Event | None"
 
     @classmethod
-    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], output_index: list[int],
+    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], output_index: list[int], inputs: StepInputs,
               logprobs: StepLogprobs | None = None) -> "InFlight":
         host_tokens = to_host(device_tokens)
-        copied = None
-        if device_tokens.is_cuda:
-            copied = torch.cuda.Event()
-            copied.record()
         return cls(seqs, output_index, dict(zip(map(_SEQ_ID, seqs), range(len(seqs)))),
-                   device_tokens, host_tokens, logprobs, copied)
+                   device_tokens, host_tokens, inputs, logprobs, recorded_event(device_tokens.device))
+
+    def done(self) -> bool:
+        """Whether the device has computed the step and copied its tokens (and logprobs) to the host."""
+        return self.copied is None or self.copied.query()
+
+
+def recorded_event(device: torch.device) -> "torch.cuda.Event | None":
+    """An event recorded on the current stream now (None on the CPU, where launches run as they return)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 @torch.inference_mode()

@@ -27,8 +27,7 @@ from engine.sequence import SamplingParams, Sequence, Status
 from engine.staging import upload
 
 MAX_LOGPROBS = 20  # the largest logprobs / prompt_logprobs k a request may ask for (OpenAI's and vLLM's)
-_MASK32 = 0xFFFFFFFF
-_FIELDS = attrgetter("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens", "logprobs")  # SamplingTensors.build's
+_FIELDS = attrgetter("temperature", "top_k", "top_p", "min_p", "noise_seed", "min_tokens", "logprobs")  # SamplingTensors.build's
 
 
 def has_penalty(p: SamplingParams) -> bool:
@@ -62,7 +61,7 @@ class SamplingTensors:
     top_k: torch.Tensor  # int64 [B], vocab size when off
     top_p: torch.Tensor  # float32 [B]
     min_p: torch.Tensor  # float32 [B]
-    seed: torch.Tensor  # int64 [B]
+    seed: torch.Tensor  # int64 [B]: SamplingParams.noise_seed, in [0, 2^32)
     step: torch.Tensor  # int64 [B] index of the token being drawn
     all_greedy: bool
     any_truncation: bool  # some top_k, top_p or min_p is active
@@ -80,7 +79,7 @@ class SamplingTensors:
         temperature, top_k, top_p, min_p, seeds, min_tokens, logprobs = list(zip(*map(_FIELDS, params))) or [()] * 7
         top_k = np.array(top_k, dtype=np.int64)
         top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size
-        table = np.array([temperature, top_k, top_p, min_p, [seed & _MASK32 for seed in seeds], steps],
+        table = np.array([temperature, top_k, top_p, min_p, seeds, steps],
                          dtype=np.float64).reshape(6, len(params))
         banning = np.flatnonzero(table[5] < np.array(min_tokens, dtype=np.float64)).tolist()  # step < min_tokens
         banned = [(row, t) for row in banning for p in (params[row],)
@@ -107,15 +106,27 @@ class SamplingTensors:
         )
 
 
-def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    def rows(self) -> dict[str, torch.Tensor]:
+        """The per-row tensors the samplers take, by name (a stalled step's record: engine/watchdog.py)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                "seed": self.seed, "output_index": self.step}
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors, fallbacks: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [B] from logits [B, V] in the model's dtype (sampling math in float32). The logits are
-    not modified (the processors work on a copy)."""
-    logits = _processed(logits, t)
+    not modified (the processors work on a copy). fallbacks: see draw."""
+    return draw(processed_logits(logits, t), t, fallbacks)
+
+
+def draw(logits: torch.Tensor, t: SamplingTensors, fallbacks: torch.Tensor | None = None) -> torch.Tensor:
+    """The samplers on processed logits (processed_logits); fallbacks: int32 [1] on the device, increased
+    by the rows the truncating kernel drew through its exact fallback (ops/sampling.py)."""
     if t.all_greedy:
         return logits.argmax(dim=-1)
     if not t.any_truncation:  # one pass over the logits; rows at temperature 0 take the argmax
         return ops.gumbel_sample(logits, t.temperature, t.seed, t.step)
-    return ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step, min_p=t.min_p)
+    return ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step, min_p=t.min_p,
+                                  fallbacks=fallbacks)
 
 
 def compile_samplers(vocab_size: int, dtype: torch.dtype, device) -> None:
@@ -129,9 +140,9 @@ def compile_samplers(vocab_size: int, dtype: torch.dtype, device) -> None:
             sample(logits, SamplingTensors.build([params] * 2, [0, 0], vocab_size, device))
 
 
-def _processed(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """The logits after min_tokens' bans and the penalties: a copy (float32 with penalties), or the
-    logits themselves when no row uses either."""
+def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """The logits the samplers draw from: after min_tokens' bans and the penalties, a copy (float32 with
+    penalties), or the logits themselves when no row uses either."""
     if t.banned is None and t.penalties is None:
         return logits
     logits = logits.to(torch.float32, copy=True) if t.penalties is not None else logits.clone()

@@ -8,6 +8,7 @@ The engine runs one step ahead of the host: a sampled token is known on the devi
 reads it, so the newest output may be PLACEHOLDER until the step that drew it is resolved. At most the
 last output is a placeholder.
 """
+import functools
 import hashlib
 import math
 import numbers
@@ -15,11 +16,14 @@ import typing
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from ops.sampling_reference import mix32
+
 if typing.TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
 
 
 PLACEHOLDER = -1
+_MASK32 = 0xFFFFFFFF
 
 
 class Status(Enum):
@@ -39,7 +43,7 @@ class SamplingParams:
 
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # sample from the most likely tokens whose probabilities sum to top_p; 1: off
-    top_k: int = -1  # sample from the k most likely tokens; <= 0: off
+    top_k: int = -1  # sample from the k most likely tokens; -1 or 0: off
     min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's; 0: off
     max_tokens: int = 64  # output tokens per request, at most
     min_tokens: int = 0  # EOS, stop ids and stop strings cannot end the output before this many tokens
@@ -67,6 +71,7 @@ class SamplingParams:
         checks = (
             (self.temperature >= 0, "temperature", "must be >= 0", self.temperature),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p),
+            (self.top_k >= -1, "top_k", "must be >= 1, or -1 or 0 (off)", self.top_k),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p),
             (self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens={self.max_tokens}]",
@@ -86,6 +91,14 @@ class SamplingParams:
     def sample(self, index: int) -> "SamplingParams":
         """The settings sample `index` of n draws with: the same, with seed sample_seed(seed, index)."""
         return self if index == 0 else replace(self, seed=sample_seed(self.seed, index))
+
+    @functools.cached_property
+    def noise_seed(self) -> int:
+        """The 32-bit seed of the sampling noise (ops/sampling_reference.uniform_noise): the seed's low 32 bits
+        XOR mix32 of its next 32, so that every bit of a 64-bit seed counts (mix32 is a bijection, so seeds
+        that differ only above bit 31 draw differently) and a seed below 2^32 is its own (mix32(0) = 0).
+        Made once per SamplingParams: the sampler reads it for every row of every step."""
+        return (self.seed & _MASK32) ^ mix32((self.seed >> 32) & _MASK32)
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -129,10 +142,12 @@ def _convert(name: str, value, kind: tuple[type, bool, bool]):
         return None
     if not many:
         return _scalar(name, value, element)
-    if isinstance(value, str) and element is str:  # one stop string, as vLLM takes it
+    if takes_one_value(name) and isinstance(value, element):  # one stop string, as vLLM takes it
         return (value,)
     if not isinstance(value, (list, tuple)) or not all(map(_ELEMENT_OK[element], value)):
-        raise ValueError(f"{name} must be a list of {'strings' if element is str else 'token ids'}, got {value!r}")
+        wanted = "a string or a list of strings" if takes_one_value(name) else \
+            f"a list of {'strings' if element is str else 'token ids'}"
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
     return tuple(element(v) for v in value)
 
 
@@ -140,6 +155,13 @@ _ELEMENT_OK = {str: lambda v: isinstance(v, str),
                int: lambda v: not isinstance(v, bool) and (isinstance(v, numbers.Integral) or
                                                           isinstance(v, float) and v.is_integer())}
 FIELD_KINDS = {name: _kind(kind) for name, kind in typing.get_type_hints(SamplingParams).items()}
+
+
+def takes_one_value(name: str) -> bool:
+    """Whether list field `name` also takes one element alone (stop: one string, as vLLM's does; a single
+    token id for stop_token_ids is not vLLM's, so not ours)."""
+    element, many, _ = FIELD_KINDS[name]
+    return many and element is str
 
 
 @dataclass(eq=False)

@@ -32,6 +32,7 @@ Per run (StatsRecorder.summary), from the steps:
     prefix_cache_hit_tokens (summed) and prefix_cache_hit_rate = prefix_cache_hit_tokens / admitted_tokens:
     the share of the prompt tokens (with the outputs a preempted sequence recomputes) served from the cache.
 """
+import bisect
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -173,60 +174,108 @@ class FloorModel:
 
     nonembed_params: int  # N: every parameter but the token embedding and the lm_head (norms included)
     lm_head_params: int  # vocab * hidden, also when tied to the embedding: the logits' matmul happens anyway
-    weight_bytes_per_step: int  # (N + lm_head) * element size: what one decode step reads at least
-    kv_bytes_per_token: int  # K and V of every layer for one token
+    weight_bytes_per_step: int  # the bytes of those N + lm_head parameters, each by its dtype: one forward pass reads them
+    kv_bytes_per_token: int  # K and V of every layer for one token, in the cache's dtype
     num_layers: int
     num_q_heads: int
     head_dim: int
 
 
-def spread_prefix_hits(prompt_lens: list[int], hit_tokens: int) -> list[int]:
-    """Cached prompt tokens per request when only the run's total is known: an equal share each, at most
-    prompt_len - 1 (the last prompt token is always computed), shares a short prompt cannot take going to
-    the longer ones; the shares add up to hit_tokens unless that exceeds the sum of the caps."""
-    cached, left = [0] * len(prompt_lens), hit_tokens
-    order = sorted(range(len(prompt_lens)), key=prompt_lens.__getitem__)
-    for k, i in enumerate(order):
-        cached[i] = min(prompt_lens[i] - 1, left // (len(order) - k))
-        left -= cached[i]
-    return cached
-
-
-def _triangle(n: int) -> int:
+def _triangle(n):
     """1 + 2 + ... + n."""
     return n * (n + 1) // 2
 
 
-def workload_floor_s(requests, model: FloorModel, copy_bytes_per_s: float, matmul_flop_per_s: float) -> dict:
+def prompt_sharing(prompts: list, decode_tokens: list[int]) -> tuple[int, int, int, int]:
+    """How much of the prompts' work rows that share a prefix can share: (T, S, R, U) over the trie of the
+    prompts (a node per distinct prefix: identical tokens at the same positions after identical tokens),
+    with T the nodes (prompt positions that must be computed once), S the sum over the nodes of their
+    positions + 1 (the keys each attends to), R the sum over the nodes of the most decode tokens among the
+    rows holding that prefix (a decode step of any of them reads the node's K/V; steps of the rows together
+    read it once), U the distinct prompts. prompts: token ids per row; decode_tokens: per row.
+
+    In lexicographic order a row's longest prefix shared with any row before it is the one shared with the
+    row just before it; so T and S come from those neighbour LCPs. For R, rows are taken by decreasing decode
+    tokens: the nodes a row adds to the trie of the rows taken before are owned by it, the most among their
+    holders. Its longest prefix shared with those rows is with their nearest ones in lexicographic order,
+    and an LCP of two rows is the least of the neighbour LCPs between them (a range minimum)."""
+    arrays = [np.asarray(p, dtype=np.int64) for p in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))
+    lengths = np.array([len(arrays[i]) for i in order], dtype=np.int64)
+    lcp = np.zeros(len(order), dtype=np.int64)  # lcp[k]: the longest prefix shared with the row before in order
+    for k in range(1, len(order)):
+        a, b = arrays[order[k - 1]], arrays[order[k]]
+        n = min(len(a), len(b))
+        differ = np.flatnonzero(a[:n] != b[:n])
+        lcp[k] = differ[0] if len(differ) else n
+    repeated = (lcp == lengths) & (lengths == np.roll(lengths, 1))
+    repeated[:1] = False
+    table = _range_min_table(lcp)
+    rank = dict(zip(order, range(len(order))))
+    taken: list[int] = []  # the ranks of the rows taken so far, in order
+    reads = 0
+    for row in sorted(range(len(prompts)), key=lambda i: -decode_tokens[i]):
+        k = rank[row]
+        at = bisect.bisect(taken, k)
+        shared = _range_min(table, taken[at - 1] + 1, k) if at else 0
+        if at < len(taken):
+            shared = max(shared, _range_min(table, k + 1, taken[at]))
+        reads += decode_tokens[row] * (int(lengths[k]) - shared)
+        taken.insert(at, k)
+    return (int((lengths - lcp).sum()), int((_triangle(lengths) - _triangle(lcp)).sum()), reads,
+            int((~repeated).sum()))
+
+
+def _range_min_table(values: np.ndarray) -> list[np.ndarray]:
+    """A sparse table of values: table[j][i] = min(values[i : i + 2^j])."""
+    table = [values]
+    while 2 ** len(table) <= len(values):
+        half = 2 ** (len(table) - 1)
+        table.append(np.minimum(table[-1][:-half], table[-1][half:]))
+    return table
+
+
+def _range_min(table: list[np.ndarray], lo: int, hi: int) -> int:
+    """min(values[lo : hi + 1]) for lo <= hi, from _range_min_table(values)."""
+    level = (hi - lo + 1).bit_length() - 1
+    return int(min(table[level][lo], table[level][hi - 2 ** level + 1]))
+
+
+def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_flop_per_s: float) -> dict:
     """The least time a device with these rates needs for a workload, whatever the schedule.
 
-    requests: (P, C, O) per request: P prompt tokens, of which the first C < P came from the prefix cache,
-    and O >= 1 output tokens. With N = nonembed_params, H = lm_head_params and A = 4 * num_layers *
-    num_q_heads * head_dim (the FLOPs of QK^T and PV for one query and one key; 2 FLOPs a multiply-add):
+    rows: (prompt token ids, O) per sequence that ran: every sample of every request is a row (the n samples
+    of a prompt are n rows with that prompt), O >= 1 its output tokens, D = O - 1 of them computed by decode
+    steps. Rows that share a prefix of tokens (a prefix-cache hit, the samples of a prompt) share its work
+    (prompt_sharing: T positions, S keys, R prompt K/V reads, U distinct prompts). With N = nonembed_params,
+    H = lm_head_params and A = 4 * num_layers * num_q_heads * head_dim (QK^T and PV for one query and one key,
+    2 FLOPs a multiply-add):
 
-    prefill FLOPs = sum over requests of [sum over computed positions p = C .. P-1 of (2N + A (p + 1))] + 2H
-                    (causal attention: position p attends to p + 1 keys; logits, 2H, only for the last
-                    prompt token, which gives the first output token)
-    decode tokens = output tokens 2 .. O of each request; the one at position p (P <= p <= P + O - 2)
-                    reads p + 1 stored K/V entries
-    decode steps  = max O - 1 (every sequence in one batch: the longest output sets the number of steps)
-    decode bytes  = steps * weight_bytes_per_step + sum over decode tokens of (p + 1) * kv_bytes_per_token
-    decode FLOPs  = sum over decode tokens of (2 (N + H) + A (p + 1))
-    floor_s       = prefill FLOPs / matmul rate + max(decode bytes / copy rate, decode FLOPs / matmul rate)
+    FLOPs  = 2N T + A S + 2H U                                   (prefill: each distinct prompt position once,
+             + sum over rows of [2 (N + H) D + A ((P + D)(P + D + 1) - P (P + 1)) / 2]     causal attention;
+                                                                  logits for each distinct prompt's last token;
+                                                                  decode: the position p token attends p + 1 keys)
+    bytes  = max O * weight_bytes_per_step                       (a row's O tokens need O forward passes in turn,
+                                                                  each reading the weights at least once)
+             + (R + sum over rows of D (D + 1) / 2) * kv_bytes_per_token      (K/V read: a prompt's by the steps
+                                                                  of the rows sharing it, once a step; a row's own
+                                                                  outputs by its own later steps)
+             + (T + sum over rows of D) * kv_bytes_per_token     (K/V written once per position)
+    floor_s = max(FLOPs / matmul rate, bytes / copy rate)
 
-    Returns floor_s and its parts floor_prefill_s, floor_decode_bytes_s, floor_decode_flops_s."""
+    A device can overlap its arithmetic with its memory traffic, so the floor is the larger of the two, not
+    their sum; no schedule can do with less of either, so pct_of_floor = 100 x floor_s / wall time <= 100.
+    Returns floor_s, floor_flops_s, floor_bytes_s, and floor_prompt_tokens (T), floor_kv_read_tokens."""
+    prompts, outputs = [p for p, _ in rows], [o for _, o in rows]
+    decode = [o - 1 for o in outputs]
+    nodes, keys, prompt_reads, distinct = prompt_sharing(prompts, decode)
     attention = 4 * model.num_layers * model.num_q_heads * model.head_dim
-    prefill_flops = decode_flops = kv_reads = steps = 0
-    for prompt_len, cached, output_len in requests:
-        prefill_flops += (2 * model.nonembed_params * (prompt_len - cached) + 2 * model.lm_head_params
-                          + attention * (_triangle(prompt_len) - _triangle(cached)))
-        contexts = _triangle(prompt_len + output_len - 1) - _triangle(prompt_len)  # sum of p + 1 over decode tokens
-        decode_flops += 2 * (model.nonembed_params + model.lm_head_params) * (output_len - 1) + attention * contexts
-        kv_reads += contexts
-        steps = max(steps, output_len - 1)
-    parts = {
-        "floor_prefill_s": prefill_flops / matmul_flop_per_s,
-        "floor_decode_bytes_s": (steps * model.weight_bytes_per_step + kv_reads * model.kv_bytes_per_token) / copy_bytes_per_s,
-        "floor_decode_flops_s": decode_flops / matmul_flop_per_s,
-    }
-    return {"floor_s": parts["floor_prefill_s"] + max(parts["floor_decode_bytes_s"], parts["floor_decode_flops_s"]), **parts}
+    flops = 2 * model.nonembed_params * nodes + attention * keys + 2 * model.lm_head_params * distinct
+    for prompt, d in zip(prompts, decode):
+        flops += 2 * (model.nonembed_params + model.lm_head_params) * d + attention * (
+            _triangle(len(prompt) + d) - _triangle(len(prompt)))
+    kv_reads = prompt_reads + sum(_triangle(d) for d in decode)
+    kv_bytes = (kv_reads + nodes + sum(decode)) * model.kv_bytes_per_token
+    weight_bytes = max(outputs, default=0) * model.weight_bytes_per_step
+    parts = {"floor_flops_s": flops / matmul_flop_per_s, "floor_bytes_s": (weight_bytes + kv_bytes) / copy_bytes_per_s}
+    return {"floor_s": max(parts.values()), **parts, "floor_prompt_tokens": nodes, "floor_kv_read_tokens": kv_reads}

@@ -38,38 +38,60 @@ def run_dir_problem(directory: Path) -> str | None:
 
 
 class RunDirCheck(Callback):
-    """Hydra callback (conf/config.yaml): before Hydra creates hydra.run.dir and writes into it, stop with one
-    line when it cannot be a writable directory (Hydra would fail with a traceback)."""
+    """Hydra callback (conf/config.yaml). on_run_start runs before Hydra creates hydra.run.dir and writes its
+    record there (.hydra/, the log file: hydra/_internal/hydra.py calls it before run_job): stop with one
+    line when the directory cannot be a writable directory (Hydra would fail with a traceback) or another
+    run holds it, and else take its lock for the life of this process (run_lock then finds it held), so a
+    refused run writes nothing there. A multirun has no hook that early: its jobs lock in run_lock."""
 
     def on_run_start(self, config, **kwargs) -> None:
         directory = Path(config.hydra.run.dir)
         problem = run_dir_problem(directory)
-        if problem:
-            print(f"error: hydra.run.dir {directory} {problem}", file=sys.stderr)
-            raise SystemExit(1)
+        try:
+            if problem:
+                raise JobError(f"hydra.run.dir {directory} {problem}")
+            directory.mkdir(parents=True, exist_ok=True)
+            _HELD[directory.resolve()] = _lock(directory)
+        except (JobError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
-@contextlib.contextmanager
-def run_lock(directory: Path) -> Iterator[None]:
-    """Hold <directory>/.minipaged.lock (flock) while inside: a second run on the same directory stops at
-    once. The kernel drops the lock when the holder dies, even by SIGKILL; the file itself stays."""
+_HELD: dict[Path, object] = {}  # run directories this process holds the lock of, to its end: their open lock files
+
+
+def _lock(directory: Path):
+    """<directory>/.minipaged.lock, open and locked (flock) with this process's pid in it; JobError naming
+    the holder's pid if another open file of it holds the lock."""
     path = directory / LOCK_NAME
     try:
         file = open(path, "a+")
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
-    with file:
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip() or "?"
-            raise JobError(f"{directory} is in use by another run (pid {holder}); wait for it to end or use "
-                           f"another hydra.run.dir") from None
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         file.seek(0)
-        file.truncate()
-        file.write(f"{os.getpid()}\n")
-        file.flush()
+        holder = file.read().strip() or "?"
+        file.close()
+        raise JobError(f"{directory} is in use by another run (pid {holder}); wait for it to end or use "
+                       f"another hydra.run.dir") from None
+    file.seek(0)
+    file.truncate()
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    return file
+
+
+@contextlib.contextmanager
+def run_lock(directory: Path) -> Iterator[None]:
+    """Hold <directory>/.minipaged.lock (flock) while inside, unless this process holds it already (taken
+    by RunDirCheck): a second run on the same directory stops at once. The kernel drops the lock when the
+    holder dies, even by SIGKILL; the file itself stays."""
+    if directory.resolve() in _HELD:
+        yield
+        return
+    with _lock(directory):
         yield
 
 
@@ -117,6 +139,7 @@ def run_summary(engine: LLMEngine, cfg, num_requests: int, num_errors: int, prom
         "num_requests": num_requests, "num_errors": num_errors,
         "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         **stats,
+        "sampler_fallbacks": engine.sampler_fallbacks,
         "output_tok_per_s": output_tokens / wall if wall else 0.0,
         "total_tok_per_s": (prompt_tokens + output_tokens) / wall if wall else 0.0,
     }

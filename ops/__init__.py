@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from ops import paged_attention_reference
+from ops import paged_attention_reference, sampling_reference
 
 BACKENDS = ("triton", "torch")
 
@@ -116,12 +116,16 @@ def gumbel_sample(logits, temperature, seed, step, backend=None):
     return _pick(backend, logits, "sampling").gumbel_sample(logits, temperature, seed, step)
 
 
-def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend=None, *, min_p=None):
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend=None, *, min_p=None, fallbacks=None):
     """The same draw over the kept set of top-k, top-p and min-p (ties of logit values kept together:
     ops/sampling_reference.kept_mask); top_k int64 [B] (>= V: off), top_p float32 [B] (1: off), min_p
-    float32 [B] (0 or None: off)."""
-    return _pick(backend, logits, "sampling").top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step,
-                                                                 min_p=min_p)
+    float32 [B] (0 or None: off). fallbacks: int32 [1] or None; the Triton kernels add to it the rows
+    they drew through their exact fallback (a row whose rounds ran out: ops/sampling.py), which the
+    reference never needs."""
+    if not _use_triton(backend, logits):
+        return sampling_reference.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=min_p)
+    return importlib.import_module("ops.sampling").top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step,
+                                                                      min_p=min_p, fallbacks=fallbacks)
 
 
 def logprobs(logits, targets, k, backend=None):
@@ -142,7 +146,5 @@ def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, pres
     """Repetition (over prompt and outputs), presence and frequency (over outputs) penalties as batched
     torch ops on any device (ops/sampling_reference.apply_penalties): logits float32 [R, V], token_ids
     [R, W] (row r's tokens: its first num_tokens[r], of which prompt_lens[r] are its prompt) -> [R, V]."""
-    from ops import sampling_reference
-
     return sampling_reference.apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, presence,
                                               frequency)

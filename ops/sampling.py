@@ -40,6 +40,11 @@ Four launches:
     from the chains when they determine it, else from a noise pass over the row (rare).
 The test of a candidate is one function (_kept): top-k, top-p and min-p (the candidate's weight
 e_w = exp2((l_w - max) * c) against min_p).
+Every loop is bounded. A round either stops or moves l_w up to the logit of a finite score above it, so the
+rounds end; a round that cannot (non-finite logits), more than max_rounds rounds (TOP_K_TOP_P_CFG), or rows
+whose rounds on the candidates did not settle take an exact fallback instead: K's floor found by bisection
+over the float32 values (_kept_floor, 32 count passes), then the best score above it, the token the rounds
+would give. The rows that take it are counted on the device (top_k_top_p_sample's `fallbacks`).
 """
 from typing import Optional
 
@@ -67,6 +72,8 @@ _LN2 = tl.constexpr(0.6931471805599453)
 NOISE_ERR = 2.0**-10
 _NOISE_ERR = tl.constexpr(NOISE_ERR)
 _NOISE_MAX = tl.constexpr(17.0)  # -log(-log u) < 17 for the largest u, 1 - 2^-24
+_FALLBACK = tl.constexpr(2)  # _decide_kernel's flag of a row whose rounds did not settle
+_MINUS_INF_KEY = tl.constexpr(-0x7F800000)  # _order_key(-inf)
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,27 +401,37 @@ def _kept(count, mass, l_w, top, c, k, p, min_p, z):
 
 
 @triton.jit
-def _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z):
+def _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z, MAX_ROUNDS: tl.constexpr):
     """The rounds on candidate vectors (logit, id, weight, score) that hold every token above l_w,
-    from w, the best score over an upper set that contains K. Returns the id of the best in K."""
-    done = False
-    while not done:
+    from w, the best score over an upper set that contains K. Returns (the id of the best in K,
+    settled). Each round that does not stop moves l_w up to a candidate's logit (the best score among
+    the candidates above l_w), so the rounds end within the number of candidates; a round that finds
+    no finite score above l_w (non-finite logits) or MAX_ROUNDS rounds leave the row unsettled, for
+    the exact fallback (_kept_floor)."""
+    done = tl.zeros([], dtype=tl.int1)
+    moved = ~done
+    rounds = 0
+    while (not done) & moved & (rounds < MAX_ROUNDS):
+        rounds += 1
         above = vals > l_w
         if _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), l_w, top, c, k, p, min_p, z):
             done = True
         else:
-            _, l_w, i_w = _best(tl.where(above, scores, float("-inf")), vals, ids)
-    return i_w
+            s, l, i = _best(tl.where(above, scores, float("-inf")), vals, ids)
+            moved = (s > float("-inf")) & (l > l_w)
+            l_w, i_w = l, i
+    return i_w, done
 
 
 @triton.jit
 def _decide_kernel(
     stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, temp_ptr, k_ptr, p_ptr, min_p_ptr, seed_ptr, step_ptr,
     out_ptr, flag_ptr, V,
-    NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, CUDA_MATH: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, MAX_ROUNDS: tl.constexpr, CUDA_MATH: tl.constexpr,
 ):
     """Per row: out = the token when the statistics settle it (greedy rows, all -inf rows, K inside
-    the candidates), with flag 0; else flag 1 (the noise pass and _finish_kernel draw it)."""
+    the candidates), with flag 0; else flag 1 (the noise pass and _finish_kernel draw it), or
+    _FALLBACK when the rounds on the candidates did not settle (_finish_kernel's fallback draws it)."""
     b = tl.program_id(0).to(tl.int64)
     temp = tl.load(temp_ptr + b)
     k = tl.load(k_ptr + b)
@@ -422,8 +439,8 @@ def _decide_kernel(
     min_p = tl.load(min_p_ptr + b)
     c = _LOG2E / tl.where(temp > 0.0, temp, 1.0)
     top, z, g, token = _row_stats(stats_f_ptr, stats_i_ptr, b, c, V, NUM_SPLITS)
-    flag = (temp > 0.0) & (top > float("-inf"))
-    if flag & ((k < V) | (p < 1.0) | (min_p > 0.0)):
+    flag = ((temp > 0.0) & (top > float("-inf"))).to(tl.int32)
+    if (flag != 0) & ((k < V) | (p < 1.0) | (min_p > 0.0)):
         vals, ids, e, scores = _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c,
                                                   _row_key(seed_ptr, step_ptr, b), temp, g,
                                                   NUM_SPLITS, CAP, CUDA_MATH)
@@ -431,10 +448,10 @@ def _decide_kernel(
         if not _kept(tl.sum(above.to(tl.int32), 0), tl.sum(tl.where(above, e, 0.0), 0), g, top, c, k, p, min_p, z):
             # a token at G is not kept, nor any below it: K lies among the candidates above G
             _, l_w, i_w = _best(scores, vals, ids)
-            token = _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z)
-            flag = False
+            token, settled = _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z, MAX_ROUNDS)
+            flag = tl.where(settled, 0, _FALLBACK)
     tl.store(out_ptr + b, token.to(tl.int64))
-    tl.store(flag_ptr + b, flag.to(tl.int32))
+    tl.store(flag_ptr + b, flag)
 
 
 @triton.jit
@@ -461,16 +478,54 @@ def _best_above(row, s_lv, V, theta, key, temp, BLOCK: tl.constexpr, CUDA_MATH: 
 
 
 @triton.jit
+def _order_key(x):
+    """int32 keys of float32 values in their order (-0.0 and 0.0 alike): sampling_reference._ordered_bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+@triton.jit
+def _key_value(key):
+    """The float32 value of an int64 _order_key (0: +0.0)."""
+    return tl.where(key < 0, -key - 2147483648, key).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kept_floor(row, s_lv, V, top, c, k, p, min_p, z, BLOCK: tl.constexpr):
+    """theta, the largest float32 at which a token would not be kept (-inf when every finite logit
+    would be): K is the set of tokens with logits above theta. Whether a token of logit x would be kept
+    (_kept on the count and mass of the logits above x: a count pass) can only turn from no to yes as x
+    grows: the count, and the float32 sums of fewer non-negative weights, can only shrink. So bisection
+    over the order-preserving keys of float32 finds theta in 32 halvings of the keys between -inf (taken
+    as not kept) and the row's max (kept: nothing is above it). The exact fallback of the rounds."""
+    lo = tl.full([], _MINUS_INF_KEY, tl.int64)
+    hi = _order_key(top).to(tl.int64)
+    for _ in range(32):
+        mid = (lo + hi) >> 1
+        x = _key_value(mid)
+        count, mass = _count_above(row, s_lv, V, x, top, c, BLOCK)
+        kept = _kept(count, mass, x, top, c, k, p, min_p, z)
+        hi = tl.where(kept, mid, hi)
+        lo = tl.where(kept, lo, mid)
+    return _key_value(lo)
+
+
+@triton.jit
 def _finish_kernel(
     logits_ptr, temp_ptr, k_ptr, p_ptr, min_p_ptr, seed_ptr, step_ptr, flag_ptr,
-    stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, chain_f_ptr, chain_i_ptr, out_ptr,
+    stats_f_ptr, stats_i_ptr, cand_l_ptr, cand_i_ptr, chain_f_ptr, chain_i_ptr, out_ptr, fallback_ptr,
     V, s_lb, s_lv,
     NUM_SPLITS: tl.constexpr, CAP: tl.constexpr, CHAIN_SPLITS: tl.constexpr, BLOCK_V: tl.constexpr,
-    CUDA_MATH: tl.constexpr,
+    MAX_ROUNDS: tl.constexpr, CUDA_MATH: tl.constexpr,
 ):
-    """Per row marked by _decide_kernel: the rounds from the best score (module docstring, step 4)."""
+    """Per row marked by _decide_kernel: the rounds from the best score (module docstring, step 4).
+    Each round either stops or moves l_w up to the logit of the best score above it; a round that
+    cannot (no finite score above l_w: non-finite logits), MAX_ROUNDS rounds, or a row that
+    _decide_kernel could not settle, take the exact fallback instead: K's floor by bisection
+    (_kept_floor), then the best score above it; each such row adds 1 to *fallback_ptr."""
     b = tl.program_id(0).to(tl.int64)
-    if tl.load(flag_ptr + b) != 0:
+    flag = tl.load(flag_ptr + b)
+    if flag != 0:
         temp = tl.load(temp_ptr + b)
         k = tl.load(k_ptr + b)
         p = tl.load(p_ptr + b)
@@ -489,12 +544,15 @@ def _finish_kernel(
         i2 = tl.load(chain_i_ptr + part * 2 + 1)
         _, l_w, i_w, _ = _chain_query(s1, l1, i1, s2, l2, i2, tb, float("-inf"))
         done = (k >= V) & (p >= 1.0) & (min_p <= 0.0)  # nothing to cut: the best score overall
-        while not done:
+        moved = flag != _FALLBACK
+        rounds = 0
+        while (not done) & moved & (rounds < MAX_ROUNDS):
+            rounds += 1
             if l_w > g:  # every token above l_w is a candidate
                 vals, ids, e, scores = _scored_candidates(cand_l_ptr, cand_i_ptr, stats_i_ptr, b, top, c,
                                                           key, temp, g, NUM_SPLITS, CAP, CUDA_MATH)
-                i_w = _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z)
-                done = True
+                i_w, done = _rounds(vals, ids, e, scores, l_w, i_w, top, c, k, p, min_p, z, MAX_ROUNDS)
+                moved = done
             else:
                 count, mass = _count_above(row, s_lv, V, l_w, top, c, BLOCK_V)
                 if _kept(count, mass, l_w, top, c, k, p, min_p, z):
@@ -503,7 +561,12 @@ def _finish_kernel(
                     s, l, i, bound = _chain_query(s1, l1, i1, s2, l2, i2, tb, l_w)
                     if (s <= bound) & (bound > float("-inf")):  # the chains do not tell: scan
                         s, l, i = _best_above(row, s_lv, V, l_w, key, temp, BLOCK_V, CUDA_MATH)
+                    moved = (s > float("-inf")) & (l > l_w)
                     l_w, i_w = l, i
+        if not done:
+            theta = _kept_floor(row, s_lv, V, top, c, k, p, min_p, z, BLOCK_V)
+            _, _, i_w = _best_above(row, s_lv, V, theta, key, temp, BLOCK_V, CUDA_MATH)
+            tl.atomic_add(fallback_ptr, 1)
         tl.store(out_ptr + b, i_w.to(tl.int64))
 
 
@@ -519,12 +582,14 @@ TOP_K_TOP_P_CFG = {
     # stats: NUM_SPLITS x BLOCK lanes keeping 2 logits each, CAP candidates per split. Simulated at
     # V = 151,936 (logits in random order): tokens above G median ~450, 10th percentile ~280; 0.2
     # splits per row overflow CAP = 128 (and raise their G). More lanes need a larger CAP.
+    # max_rounds: rounds before the exact fallback (a draw takes ~log2 of the kept set's size at most,
+    # in expectation: the next candidate is the best score above the last one's logit)
     "gpu": dict(stats=dict(num_splits=16, block=256, cap=128, num_warps=2),
                 chain=dict(num_splits=16, block=2048, num_warps=8),
-                finish=dict(block=2048, num_warps=8)),
+                finish=dict(block=2048, num_warps=8, max_rounds=32)),
     "interp": dict(stats=dict(num_splits=4, block=32, cap=32, num_warps=1),
                    chain=dict(num_splits=2, block=128, num_warps=1),
-                   finish=dict(block=256, num_warps=1)),
+                   finish=dict(block=256, num_warps=1, max_rounds=32)),
 }
 
 
@@ -563,9 +628,10 @@ def _cuda_math(logits):
     return logits.is_cuda and libdevice is not None
 
 
-def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None, cfg=None):
+def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None, cfg=None, fallbacks=None):
     """min_p: float32 [B] (None: off); cfg: TOP_K_TOP_P_CFG's layout (tests, benchmarks), None picks
-    it for the device."""
+    it for the device; fallbacks: int32 [1], increased on the device by the rows drawn through the exact
+    fallback (None: not counted)."""
     B, V = logits.shape
     dev = logits.device
     temperature, top_k, top_p = temperature.contiguous(), top_k.contiguous(), top_p.contiguous()
@@ -576,6 +642,8 @@ def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None
         return out
     cfg = cfg or TOP_K_TOP_P_CFG["gpu" if logits.is_cuda else "interp"]
     st, ch, fin = cfg["stats"], cfg["chain"], cfg["finish"]
+    if fin["max_rounds"] < 1:  # Triton 3.6 fails to compile a loop whose condition is false from the start
+        raise ValueError(f"finish.max_rounds must be >= 1, got {fin['max_rounds']}")
     splits, cap, chain_splits = st["num_splits"], st["cap"], ch["num_splits"]
     # one float32 and one int32 workspace (two allocations, not seven): contiguous pieces
     f_sizes, i_sizes = (splits * 3, splits * cap, chain_splits * 5), (splits * 2, splits * cap, chain_splits * 2, 1)
@@ -583,13 +651,15 @@ def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None
         [B * n for n in f_sizes])
     stats_i, cand_i, chain_i, flags = torch.empty(B * sum(i_sizes), dtype=torch.int32, device=dev).split(
         [B * n for n in i_sizes])
+    if fallbacks is None:  # a counter of its own (not a piece of the workspace): aligned as a caller's, one variant
+        fallbacks = torch.empty(1, dtype=torch.int32, device=dev)
     cuda_math = _cuda_math(logits)
     _stats_kernel[(B, splits)](
         logits, temperature, stats_f, stats_i, cand_l, cand_i, V, *logits.stride(),
         NUM_SPLITS=splits, BLOCK=st["block"], CAP=cap, num_warps=st["num_warps"])
     _decide_kernel[(B,)](
         stats_f, stats_i, cand_l, cand_i, temperature, top_k, top_p, min_p, seed, step, out, flags, V,
-        NUM_SPLITS=splits, CAP=cap, CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
+        NUM_SPLITS=splits, CAP=cap, MAX_ROUNDS=fin["max_rounds"], CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
     chunk = triton.cdiv(triton.cdiv(V, chain_splits), ch["block"]) * ch["block"]
     _gumbel_kernel[(B, chain_splits)](
         logits, temperature, seed, step, flags, out, chain_f, chain_i, V, chunk, *logits.stride(),
@@ -597,8 +667,8 @@ def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None
         num_warps=ch["num_warps"])
     _finish_kernel[(B,)](
         logits, temperature, top_k, top_p, min_p, seed, step, flags, stats_f, stats_i, cand_l, cand_i,
-        chain_f, chain_i, out, V, *logits.stride(),
+        chain_f, chain_i, out, fallbacks, V, *logits.stride(),
         NUM_SPLITS=splits, CAP=cap, CHAIN_SPLITS=chain_splits, BLOCK_V=fin["block"],
-        CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
+        MAX_ROUNDS=fin["max_rounds"], CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
     return out
 

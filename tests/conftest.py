@@ -27,6 +27,24 @@ def make_config():
     return make
 
 
+@pytest.fixture(autouse=True, scope="session")
+def gpu_shared_by_workers():
+    """Under pytest-xdist on CUDA (`-n N`), each worker's engines size their KV pools from its share of the
+    device memory, 1/N of cache.gpu_memory_utilization: N pools of the whole share cannot fit together."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or not torch.cuda.is_available():
+        yield
+        return
+    from engine import engine, model_runner
+
+    def share(model, device, utilization, *args):
+        return model_runner.kv_bytes_left(model, device, utilization / workers, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "kv_bytes_left", share)
+        yield
+
+
 @pytest.fixture
 def one_thread():
     """The tiny model gains nothing from threads, and loses much to OpenMP waits on a busy 2-core runner."""

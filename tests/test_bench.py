@@ -77,7 +77,7 @@ def test_bench_with_its_floor_and_the_transformers_baseline_on_the_tiny_model(tm
     model, _ = build_model(cfg.model, torch.device("cpu"), torch.float32)
     requests = workload(cfg.job, SamplingParams(), model.arch.vocab_size)
     assert summary["output_tokens"] == sum(s.max_tokens for _, s in requests)
-    floor = workload_floor_s([(len(p), 0, s.max_tokens) for p, s in requests],
+    floor = workload_floor_s([(p, s.max_tokens) for p, s in requests],
                              floor_model(model, summary["kv_budget_bytes"] // summary["kv_slots"]),
                              summary["copy_gb_per_s"] * 1e9, summary["matmul_tflop_per_s"] * 1e12)
     assert floor == pytest.approx({k: summary[k] for k in floor}) and summary["floor_s"] > 0
@@ -86,3 +86,24 @@ def test_bench_with_its_floor_and_the_transformers_baseline_on_the_tiny_model(tm
     assert summary["speedup_vs_hf"] == summary["output_tok_per_s"] / summary["hf_output_tok_per_s"]
     # float32, greedy, same weights: transformers' padded batches give the same tokens as the engine
     assert summary["hf_match_first32_pct"] == 100.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a float32 CPU run (on CUDA the bench runs in bf16)")
+def test_the_bench_floor_counts_every_sample(tmp_path, make_config):
+    """sampling.n=2: each request's two samples are two rows of the floor, sharing their prompt."""
+    overrides = ["job=bench", "job.num_prompts=4", "job.input_len=[8,20]", "job.output_len=[4,8]", "sampling.n=2",
+                 "sampling.temperature=0.8"]
+    result = subprocess.run([sys.executable, "-m", "engine.run", *overrides, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "MINIPAGED_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    summary = pq.read_table(tmp_path / "summary.parquet").to_pylist()[0]
+    cfg = make_config(*overrides)
+    model, _ = build_model(cfg.model, torch.device("cpu"), torch.float32)
+    requests = workload(cfg.job, SamplingParams(), model.arch.vocab_size)
+    assert summary["output_tokens"] == 2 * sum(s.max_tokens for _, s in requests)
+    floor = workload_floor_s([(p, s.max_tokens) for p, s in requests for _ in range(2)],
+                             floor_model(model, summary["kv_budget_bytes"] // summary["kv_slots"]),
+                             summary["copy_gb_per_s"] * 1e9, summary["matmul_tflop_per_s"] * 1e12)
+    assert floor == pytest.approx({k: summary[k] for k in floor})
+    assert summary["floor_prompt_tokens"] == sum(len(p) for p, _ in requests)

@@ -11,77 +11,95 @@ from hypothesis import strategies as st
 from engine import hardware
 from engine.hardware import device_rates
 from engine.models.loader import build_model
-from engine.stats import FloorModel, spread_prefix_hits, workload_floor_s
+from engine.stats import FloorModel, workload_floor_s
 from jobs.bench import floor_model, floor_summary
 
-# N = 100 non-embedding parameters, lm_head H = 10, 4-byte weights: a decode step reads (100 + 10) * 4 = 440
+# N = 100 non-embedding parameters, lm_head H = 10, 4-byte weights: a forward pass reads (100 + 10) * 4 = 440
 # bytes; 8 bytes of K/V a token; one layer, one query head of 2 dims: A = 4 * 1 * 1 * 2 = 8 FLOPs per query-key
 SMALL = FloorModel(nonembed_params=100, lm_head_params=10, weight_bytes_per_step=440, kv_bytes_per_token=8,
                    num_layers=1, num_q_heads=1, head_dim=2)
 
 
 def test_floor_by_hand():
-    # request 1: P=3, nothing cached, O=2; request 2: P=4, 2 cached, O=3
-    # prefill: r1 positions 0,1,2: 3 * 2N = 600, attention 8 * (1 + 2 + 3) = 48, logits 2H = 20 -> 668
-    #          r2 positions 2,3:    2 * 2N = 400, attention 8 * (3 + 4) = 56,     logits 20     -> 476; 1144 FLOPs
-    # decode tokens: r1 at position 3 (4 K/V entries); r2 at positions 4, 5 (5 and 6); steps = max(O) - 1 = 2
-    # decode bytes: 2 * 440 + (4 + 5 + 6) * 8 = 1000; decode FLOPs: 3 tokens * 2 (N + H) = 660, + 8 * 15 = 780
-    requests = [(3, 0, 2), (4, 2, 3)]
-    # at 100 FLOP/s and 10 B/s: prefill 11.44 s; decode max(100 s of bytes, 7.8 s of FLOPs)
-    assert workload_floor_s(requests, SMALL, 10.0, 100.0) == pytest.approx(
-        {"floor_s": 111.44, "floor_prefill_s": 11.44, "floor_decode_bytes_s": 100.0, "floor_decode_flops_s": 7.8})
-    # at 1000 B/s the decode FLOPs bound instead: 11.44 + max(1.0, 7.8)
-    assert workload_floor_s(requests, SMALL, 1000.0, 100.0)["floor_s"] == pytest.approx(19.24)
+    # row 1: prompt [1, 2, 3], O = 2; row 2: prompt [4, 5, 6, 7], O = 3; nothing shared
+    # FLOPs: prefill 7 positions * 2N = 1400, attention 8 * ((1 + 2 + 3) + (1 + 2 + 3 + 4)) = 128, logits 2 * 2H = 40;
+    #        decode 3 tokens * 2 (N + H) = 660, row 1's at position 3 (4 keys), row 2's at 4, 5: 8 * 15 = 120 -> 2348
+    # bytes: max O = 3 passes * 440 = 1320; K/V read: row 1 3 prompt + 1 own, row 2 4 + 4 + (1 + 2) = 15 entries;
+    #        written: 7 prompt + 3 decode = 10; (15 + 10) * 8 = 200 -> 1520
+    rows = [([1, 2, 3], 2), ([4, 5, 6, 7], 3)]
+    assert workload_floor_s(rows, SMALL, 10.0, 100.0) == pytest.approx(
+        {"floor_s": 152.0, "floor_flops_s": 23.48, "floor_bytes_s": 152.0, "floor_prompt_tokens": 7,
+         "floor_kv_read_tokens": 15})
+    assert workload_floor_s(rows, SMALL, 1000.0, 100.0)["floor_s"] == pytest.approx(23.48)  # the FLOPs bound
 
 
-def floor_token_by_token(requests, m: FloorModel, copy_rate: float, matmul_rate: float) -> float:
-    """The docstring's definition, one position at a time."""
+def test_the_samples_of_a_prompt_count_every_token_and_share_the_prompt():
+    """n = 2: one prompt [1, 2, 3] drawn twice, outputs of 5 and 3 tokens (4 and 2 decode tokens).
+    FLOPs: prefill once: 3 * 2N = 600, attention 8 * 6 = 48, logits once 20 = 668; decode 6 tokens * 220 = 1320,
+    attention 8 * ((4 + 5 + 6 + 7) + (4 + 5)) = 248 -> 2236. Bytes: 5 passes * 440 = 2200; prompt K/V read by
+    the longer sample's 4 steps: 3 * 4 = 12, own outputs 1 + 2 + 3 + 4 and 1 + 2: 13 -> 25 read; written 3 + 6;
+    (25 + 9) * 8 = 272 -> 2472."""
+    floor = workload_floor_s([([1, 2, 3], 5), ([1, 2, 3], 3)], SMALL, 1.0, 1.0)
+    assert (floor["floor_flops_s"], floor["floor_bytes_s"], floor["floor_kv_read_tokens"]) == (2236, 2472, 25)
+    alone = workload_floor_s([([1, 2, 3], 5)], SMALL, 1.0, 1.0)
+    assert floor["floor_bytes_s"] > alone["floor_bytes_s"] and floor["floor_flops_s"] > alone["floor_flops_s"]
+
+
+def test_two_prompts_sharing_a_prefix_read_it_once_a_step():
+    """[1, 2, 3, 4, 5, 6] (O = 4: 3 decode tokens) and [1, 2, 3, 7, 8] (O = 6: 5): [1, 2, 3] is computed once and
+    read by the 5 steps of the longer row; [4, 5, 6] by 3 steps, [7, 8] by 5. Prompt positions 3 + 3 + 2 = 8;
+    attention keys (1 + 2 + 3) + (4 + 5 + 6) + (4 + 5) = 30; prompt K/V read 3 * 5 + 3 * 3 + 2 * 5 = 34."""
+    rows = [([1, 2, 3, 4, 5, 6], 4), ([1, 2, 3, 7, 8], 6)]
+    floor = workload_floor_s(rows, SMALL, 1.0, 1.0)
+    # FLOPs: 8 * 200 + 8 * 30 + 2 * 20 = 1880; decode 8 tokens * 220 = 1760, attention 8 * ((7 + 8 + 9) + (6 + ... + 10))
+    assert floor["floor_flops_s"] == 1880 + 1760 + 8 * (24 + 40)
+    assert floor["floor_prompt_tokens"] == 8 and floor["floor_kv_read_tokens"] == 34 + 6 + 15
+    # bytes: 6 passes * 440 + (55 read + 8 + 8 written) * 8
+    assert floor["floor_bytes_s"] == 6 * 440 + (55 + 16) * 8
+
+
+def floor_token_by_token(rows, m: FloorModel, copy_rate: float, matmul_rate: float) -> float:
+    """The docstring's definition, one prefix at a time: each distinct prefix of a prompt (a node) is computed
+    once and read by the decode steps of the row among those holding it that has the most."""
     attention = 4 * m.num_layers * m.num_q_heads * m.head_dim
-    prefill = decode_flops = kv_bytes = 0
-    for prompt_len, cached, output_len in requests:
-        for pos in range(cached, prompt_len):
-            prefill += 2 * m.nonembed_params + attention * (pos + 1)
-        prefill += 2 * m.lm_head_params
-        for pos in range(prompt_len, prompt_len + output_len - 1):
-            decode_flops += 2 * (m.nonembed_params + m.lm_head_params) + attention * (pos + 1)
-            kv_bytes += (pos + 1) * m.kv_bytes_per_token
-    steps = max(o for _, _, o in requests) - 1
-    return prefill / matmul_rate + max((steps * m.weight_bytes_per_step + kv_bytes) / copy_rate, decode_flops / matmul_rate)
+    holders = {}
+    for prompt, output_len in rows:
+        for end in range(1, len(prompt) + 1):
+            holders.setdefault(tuple(prompt[:end]), []).append(output_len - 1)
+    flops = sum(2 * m.nonembed_params + attention * len(prefix) for prefix in holders)
+    flops += 2 * m.lm_head_params * len({tuple(p) for p, _ in rows})
+    kv = sum(max(decode) for decode in holders.values()) + len(holders)
+    for prompt, output_len in rows:
+        for pos in range(len(prompt), len(prompt) + output_len - 1):
+            flops += 2 * (m.nonembed_params + m.lm_head_params) + attention * (pos + 1)
+            kv += pos - len(prompt) + 1 + 1  # its own outputs so far, read; its own entry, written
+    passes = max(o for _, o in rows)
+    return max(flops / matmul_rate, (passes * m.weight_bytes_per_step + kv * m.kv_bytes_per_token) / copy_rate)
 
 
-request = st.integers(1, 60).flatmap(lambda p: st.tuples(st.just(p), st.integers(0, p - 1), st.integers(1, 40)))
+# prompts over a 3-token alphabet, often sharing prefixes (and sometimes equal: the samples of one prompt)
+row = st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=12), st.integers(1, 30))
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(request, min_size=1, max_size=6), st.sampled_from([1.0, 50.0, 1e4]))
-def test_floor_matches_the_definition_token_by_token(requests, copy_rate):
-    floor = workload_floor_s(requests, SMALL, copy_rate, 100.0)
-    assert floor["floor_s"] == pytest.approx(floor_token_by_token(requests, SMALL, copy_rate, 100.0))
+@settings(max_examples=80, deadline=None)
+@given(st.lists(row, min_size=1, max_size=8), st.sampled_from([1.0, 50.0, 1e4]))
+def test_floor_matches_the_definition_prefix_by_prefix(rows, copy_rate):
+    floor = workload_floor_s(rows, SMALL, copy_rate, 100.0)
+    assert floor["floor_s"] == pytest.approx(floor_token_by_token(rows, SMALL, copy_rate, 100.0))
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(request, min_size=1, max_size=6), st.integers(0, 5))
-def test_floor_grows_with_the_work(requests, index):
-    floor = workload_floor_s(requests, SMALL, 50.0, 100.0)["floor_s"]
-    i = index % len(requests)
-    prompt_len, cached, output_len = requests[i]
-    more_output = requests[:i] + [(prompt_len, cached, output_len + 1)] + requests[i + 1:]
-    longer_prompt = requests[:i] + [(prompt_len + 1, cached, output_len)] + requests[i + 1:]
-    assert workload_floor_s(more_output, SMALL, 50.0, 100.0)["floor_s"] > floor
-    assert workload_floor_s(longer_prompt, SMALL, 50.0, 100.0)["floor_s"] > floor
-    assert workload_floor_s(requests + [(1, 0, 1)], SMALL, 50.0, 100.0)["floor_s"] > floor
-    if cached > 0:
-        assert workload_floor_s(requests[:i] + [(prompt_len, cached - 1, output_len)] + requests[i + 1:],
-                                SMALL, 50.0, 100.0)["floor_s"] > floor
-    assert workload_floor_s(requests, SMALL, 100.0, 200.0)["floor_s"] == pytest.approx(floor / 2)  # twice the rates
-
-
-def test_prefix_hits_spread_over_the_requests():
-    # an equal share of 60 is 20, but the 5-token prompt caps at 4: the two others share the other 56
-    assert spread_prefix_hits([100, 5, 100], 60) == [28, 4, 28]
-    assert spread_prefix_hits([100, 5, 100], 1000) == [99, 4, 99]  # never the last prompt token
-    assert spread_prefix_hits([2060, 2100, 2050, 2300], 3 * 2048) == [1536] * 4
-    assert spread_prefix_hits([7, 9], 0) == [0, 0]
+@given(st.lists(row, min_size=1, max_size=6), st.integers(0, 5))
+def test_floor_grows_with_the_work_and_shrinks_with_sharing(rows, index):
+    floor = workload_floor_s(rows, SMALL, 50.0, 100.0)["floor_s"]
+    i = index % len(rows)
+    prompt, output_len = rows[i]
+    more_output = rows[:i] + [(prompt, output_len + 1)] + rows[i + 1:]
+    assert workload_floor_s(more_output, SMALL, 50.0, 100.0)["floor_s"] >= floor
+    assert workload_floor_s(rows + [([7] + prompt, 2)], SMALL, 50.0, 100.0)["floor_s"] > floor  # shares nothing
+    unshared = [([9 + j] + p, o) for j, (p, o) in enumerate(rows)]  # no two prompts share a first token
+    assert workload_floor_s(unshared, SMALL, 50.0, 100.0)["floor_s"] >= floor
+    assert workload_floor_s(rows, SMALL, 100.0, 200.0)["floor_s"] == pytest.approx(floor / 2)  # twice the rates
 
 
 def test_model_numbers_by_hand(make_config):
@@ -98,18 +116,19 @@ def test_model_numbers_by_hand(make_config):
                                      num_layers=2, num_q_heads=4, head_dim=16)
 
 
-def test_the_bench_floor_counts_only_uncached_prompt_tokens(make_config):
+def test_the_bench_floor_takes_every_finished_sequence(make_config):
+    """floor_summary over the engine's finished sequences (two samples of one prompt, and another prompt) is
+    workload_floor_s over their prompts and outputs."""
     model, _ = build_model(make_config().model, torch.device("cpu"), torch.float32)
     seqs = [SimpleNamespace(prompt_token_ids=[0] * 40, output_token_ids=[1] * 5),
-            SimpleNamespace(prompt_token_ids=[0] * 36, output_token_ids=[1] * 9)]
-    summary = {"kv_budget_bytes": 512 * 64, "kv_slots": 64, "wall_time_s": 2.0, "prefix_cache_hit_tokens": 64}
+            SimpleNamespace(prompt_token_ids=[0] * 40, output_token_ids=[1] * 7),
+            SimpleNamespace(prompt_token_ids=[2] * 36, output_token_ids=[1] * 9)]
+    summary = {"kv_budget_bytes": 512 * 64, "kv_slots": 64, "wall_time_s": 2.0}
     columns = floor_summary(SimpleNamespace(model=model), seqs, summary, (1e9, 1e12))
-    # 32 cached tokens each, at the front of the prompts: 8 and 4 computed positions
-    expected = workload_floor_s([(40, 32, 5), (36, 32, 9)], floor_model(model, 512), 1e9, 1e12)
+    expected = workload_floor_s([([0] * 40, 5), ([0] * 40, 7), ([2] * 36, 9)], floor_model(model, 512), 1e9, 1e12)
     assert columns == {**expected, "pct_of_floor": pytest.approx(50 * expected["floor_s"]),
                        "copy_gb_per_s": 1.0, "matmul_tflop_per_s": 1.0}
-    without_cache = floor_summary(SimpleNamespace(model=model), seqs, {**summary, "prefix_cache_hit_tokens": 0}, (1e9, 1e12))
-    assert without_cache["floor_prefill_s"] > columns["floor_prefill_s"]
+    assert columns["floor_prompt_tokens"] == 40 + 36
 
 
 # -- the device rates and their cache ------------------------------------------------------------------

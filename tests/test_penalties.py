@@ -14,7 +14,7 @@ from test_fused import gen  # noqa: F401  (a fixture)
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from engine.engine import LLMEngine
-from engine.sampler import SamplingTensors, TokenHistory, _processed
+from engine.sampler import SamplingTensors, TokenHistory, processed_logits
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from ops import sampling_reference
 
@@ -132,11 +132,11 @@ def test_processors_cost_nothing_when_unused():
     t = SamplingTensors.build(params, [0, 5], 50, "cpu", eos_token_ids=(3,))
     assert t.banned is None and t.penalties is None and t.num_logprobs is None
     logits = torch.randn(2, 50)
-    assert _processed(logits, t) is logits
+    assert processed_logits(logits, t) is logits
     ignoring = SamplingTensors.build(params, [0, 1], 50, "cpu", eos_token_ids=(3,))
     assert ignoring.banned is None  # ignore_eos and no stop ids: nothing to ban
     with_stop = SamplingTensors.build([SamplingParams(min_tokens=2, stop_token_ids=(7, 9))], [1], 50, "cpu", (3,))
-    processed = _processed(logits[:1], with_stop)
+    processed = processed_logits(logits[:1], with_stop)
     assert processed[0, [3, 7, 9]].tolist() == [float("-inf")] * 3
     assert torch.equal(processed[0, :3], logits[0, :3]) and logits[0, 3] > float("-inf")
 

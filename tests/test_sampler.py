@@ -36,7 +36,7 @@ INF = float("inf")
 # rejected draw, so the count and noise passes of _finish_kernel run often
 TIGHT = dict(stats=dict(num_splits=2, block=16, cap=4, num_warps=1),
              chain=dict(num_splits=1, block=16, num_warps=1),
-             finish=dict(block=64, num_warps=1))
+             finish=dict(block=64, num_warps=1, max_rounds=32))
 
 
 @pytest.fixture(autouse=True)
