@@ -249,6 +249,9 @@ class LLM:
         """The request's prompt as token ids, each checked to be in the vocabulary; RequestError if not."""
         token_ids = self._tokenize(request, chat_template_kwargs)
         vocab_size = self.engine.model.arch.vocab_size
+        tokenized = request.prompt_token_ids is None  # ints from the tokenizer: their range checked in C
+        if tokenized and (not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)):
+            return token_ids
         outside = next((i for i, t in enumerate(token_ids) if not (_is_token_id(t) and 0 <= t < vocab_size)), None)
         if outside is not None:
             raise RequestError(f"token id {token_ids[outside]!r} at position {outside} is not in the vocabulary "

@@ -121,8 +121,7 @@ class ModelRunner:
         params = SamplingTensors.build(list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size,
                                        self.device, self.eos_token_ids, penalised)
         processed = processed_logits(logits, params)
-        inputs = StepInputs(step, batch.phase, batch.seqs, starts, batch.num_new_tokens, batch.slot_mapping, drawing,
-                            processed, params.rows(), recorded_event(self.device))
+        inputs = StepInputs(step, batch, starts, drawing, processed, params, recorded_event(self.device))
         tokens = draw(processed, params, self.sampler_fallbacks)
         if params.penalties is not None:
             self.history.record(params.penalties, tokens)
@@ -186,7 +185,6 @@ class ModelRunner:
             ends = np.cumsum(batch.num_new_tokens) - 1
             dst, src = self._to_device(np.stack([ends[waiting], src[waiting]]))
             input_ids[dst] = previous.device_tokens[src]
-
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """The step watchdog: a launched step whose tokens do not come back in time stops the run.
 
-The host reads a step's sampled tokens when the device has computed them (ModelRunner.tokens). On CUDA it
+The host reads a step's sampled tokens when the device has computed them (LLMEngine._tokens). On CUDA it
 waits against a deadline instead of blocking: `scheduler.step_timeout_s` (60 s by default; null: no limit)
 or 20 times the slowest step so far, whichever is larger. When the deadline passes, the step's inputs are
 written to `stalled-step-<N>.pt` (torch.save of a dict) in the run directory, and StepTimeout names the step,
@@ -15,6 +15,7 @@ so reads go through a stream of their own, in a thread that is abandoned if they
 import tempfile
 import threading
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,10 @@ import numpy as np
 import torch
 
 from engine.config import UserError
+
+if typing.TYPE_CHECKING:
+    from engine.sampler import SamplingTensors
+    from engine.scheduler import ScheduledBatch
 
 SLOWEST_STEP_FACTOR = 20
 _SPIN_S = 0.05  # how long the wait polls without sleeping: a step's tokens usually come within it
@@ -43,19 +48,12 @@ class StepInputs:
     has run by the time it returns)."""
 
     step: int
-    phase: str
-    seqs: list  # the batch's sequences (its own list: the scheduler makes one per step)
-    starts: np.ndarray  # int64 [S]: tokens each sequence had computed before the step
-    counts: list[int]  # tokens each computes in the step
-    slot_mapping: np.ndarray  # int32 [sum(counts)]: the KV slots the step writes
-    drawing: list | None = None  # the sequence of each row of logits
-    logits: torch.Tensor | None = None  # [B, V]: the sampler's input (after min_tokens bans and penalties)
-    sampling: dict | None = None  # the sampler's per-row tensors [B] (SamplingTensors.rows())
-    logits_ready: "torch.cuda.Event | None" = None
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [seq.request_id for seq in self.seqs]
+    batch: "ScheduledBatch"  # the scheduler's, its own for this step
+    starts: np.ndarray  # int64 [S]: tokens each of batch.seqs had computed before the step
+    drawing: list  # the sequence of each row of logits
+    logits: torch.Tensor  # [B, V]: the sampler's input (after min_tokens bans and penalties)
+    sampling: "SamplingTensors"
+    logits_ready: "torch.cuda.Event | None"
 
 
 def step_deadline_s(timeout_s: float | None, slowest_step_s: float) -> float | None:
@@ -67,8 +65,6 @@ def step_deadline_s(timeout_s: float | None, slowest_step_s: float) -> float | N
 def wait_until(done, deadline_s: float | None) -> bool:
     """Poll done() until it is true (True) or deadline_s seconds have passed (False). Polls without
     sleeping for _SPIN_S, then every _POLL_S: waking late would leave the device idle between steps."""
-    if done():
-        return True
     start = time.perf_counter()
     while not done():
         waited = time.perf_counter() - start
@@ -86,24 +82,23 @@ def stalled(inputs: StepInputs, deadline_s: float, directory: Path | None) -> St
     path = directory / f"stalled-step-{inputs.step}.pt"
     record = stall_record(inputs)
     torch.save(record, path)
-    rows = len(inputs.request_ids)
-    named = ", ".join(inputs.request_ids[:_NAMED_ROWS]) + (", ..." if rows > _NAMED_ROWS else "")
+    ids = record["request_ids"]
+    named = ", ".join(ids[:_NAMED_ROWS]) + (", ..." if len(ids) > _NAMED_ROWS else "")
     saved = "its logits and sampling parameters and " if "logits" in record else ""
-    return StepTimeout(f"step {inputs.step} ({inputs.phase}, {rows} rows: requests {named}) did not finish within "
-                       f"{deadline_s:.3g} s (scheduler.step_timeout_s, or {SLOWEST_STEP_FACTOR}x the slowest step so far if more); "
-                       f"{saved}its batch's metadata are saved in {path}")
+    return StepTimeout(f"step {inputs.step} ({record['phase']}, {len(ids)} rows: requests {named}) did not finish "
+                       f"within {deadline_s:.3g} s (scheduler.step_timeout_s, or {SLOWEST_STEP_FACTOR}x the slowest "
+                       f"step so far if more); {saved}its batch's metadata are saved in {path}")
 
 
 def stall_record(inputs: StepInputs) -> dict:
     """The saved form of a step's inputs: the host metadata, and the device tensors copied to the CPU when
     the device got past the logits and the copy ends within _READ_TIMEOUT_S."""
-    record = {"step": inputs.step, "phase": inputs.phase, "request_ids": inputs.request_ids,
-              "sample_indexes": [seq.sample_index for seq in inputs.seqs], "starts": torch.from_numpy(inputs.starts),
-              "counts": torch.tensor(inputs.counts), "slot_mapping": torch.from_numpy(inputs.slot_mapping)}
-    if inputs.logits is None:
-        return record
+    batch = inputs.batch
+    record = {"step": inputs.step, "phase": batch.phase, "request_ids": [seq.request_id for seq in batch.seqs],
+              "sample_indexes": [seq.sample_index for seq in batch.seqs], "starts": torch.from_numpy(inputs.starts),
+              "counts": torch.tensor(batch.num_new_tokens), "slot_mapping": torch.from_numpy(batch.slot_mapping)}
     ready = inputs.logits_ready is None or inputs.logits_ready.query()
-    tensors = _read_back({"logits": inputs.logits, **inputs.sampling}) if ready else None
+    tensors = _read_back({"logits": inputs.logits, **inputs.sampling.rows()}) if ready else None
     if tensors is not None:
         record.update(tensors, drawing_ids=[seq.request_id for seq in inputs.drawing])
     return record
