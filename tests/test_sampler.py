@@ -76,6 +76,12 @@ def row_settings(gen, B, V):
     return [t.to(DEVICE) for t in (temperature, top_k, top_p.float(), seed, step)]
 
 
+# Rows too near a top-p or min-p boundary to compare may be at most B // NEAR_SHARE: at the real
+# vocabulary (GPU) 10 of 64 rows were near in some seeds, and flat bf16 logits at V = 600 gave 3 of
+# 16 in one seed of 300; every other row is still compared.
+NEAR_SHARE = 4
+
+
 def oracle_kept(logits, temperature, top_k, top_p, min_p=None):
     """float64, O(V^2): K [B, V] from the count and mass of the logits strictly above each token's,
     and each token's probability over the top one's."""
@@ -91,8 +97,10 @@ def oracle_kept(logits, temperature, top_k, top_p, min_p=None):
 
 
 def min_p_settings(gen, B):
-    """Per row: min_p 0 (off) for one row in three, else in [0.005, 0.8] (log-uniform)."""
+    """Per row: min_p 0 (off) for one row in three, else in [0.005, 0.8] (log-uniform); row 1 (plain
+    temperature over the whole vocabulary) at 0.8, so that min_p cuts some row whatever the draw."""
     min_p = torch.exp(torch.empty(B).uniform_(-5.3, -0.22, generator=gen))
+    min_p[1] = 0.8
     return torch.where(torch.arange(B) % 3 == 0, 0.0, min_p).to(DEVICE)
 
 
@@ -191,7 +199,7 @@ def test_reference_kept_set_matches_float64(gen, bf16_values, scale):
     temperature, top_k, top_p, _, _ = row_settings(gen, B, V)
     near = near_boundary(logits, temperature, top_p)
     rows = (temperature > 0).cpu() & ~near
-    assert near.sum() <= 2, f"seed={gen.initial_seed()}"
+    assert near.sum() <= B // NEAR_SHARE, f"seed={gen.initial_seed()}"
     kept = reference.kept_mask(logits, temperature, top_k, top_p).cpu()
     assert torch.equal(kept[rows], oracle_kept(logits, temperature, top_k, top_p)[rows]), f"seed={gen.initial_seed()}"
 
@@ -217,7 +225,7 @@ def test_reference_kept_set_with_min_p_matches_float64(gen, bf16_values, scale):
     min_p = min_p_settings(gen, B)
     near = near_boundary(logits, temperature, top_p) | near_min_p(logits, temperature, min_p)
     rows = (temperature > 0).cpu() & ~near
-    assert near.sum() <= 3, f"seed={gen.initial_seed()}"
+    assert near.sum() <= B // NEAR_SHARE, f"seed={gen.initial_seed()}"
     kept = reference.kept_mask(logits, temperature, top_k, top_p, min_p).cpu()
     expected = oracle_kept(logits, temperature, top_k, top_p, min_p)
     assert torch.equal(kept[rows], expected[rows]), f"seed={gen.initial_seed()}"
@@ -227,9 +235,6 @@ def test_reference_kept_set_with_min_p_matches_float64(gen, bf16_values, scale):
 
 
 # --- the Triton kernels against the reference ----------------------------------------------
-# Rows too near a top-p or min-p boundary to compare may be at most B // NEAR_SHARE: at the real
-# vocabulary (GPU) 10 of 64 rows were near in some seeds, every other row is still compared.
-NEAR_SHARE = 4
 KERNEL_CASES = [("default", False, 3.0), ("default", True, 0.5), ("tight", True, 1.0)]
 
 
@@ -299,7 +304,7 @@ def test_top_k_top_p_kernel_over_every_cut_of_one_row(gen, sweep):
     seed = torch.randint(0, 2**32, (1,), generator=gen).to(DEVICE).expand(B)
     args = (logits, temperature, top_k, top_p, seed, torch.zeros_like(seed))
     near = near_boundary(logits, temperature, top_p)
-    assert near.sum() <= 2, f"seed={gen.initial_seed()}"
+    assert near.sum() <= B // NEAR_SHARE, f"seed={gen.initial_seed()}"
     drawn, expected = sampling.top_k_top_p_sample(*args).cpu(), ops.top_k_top_p_sample(*args, backend="torch").cpu()
     assert torch.equal(drawn[~near], expected[~near]), f"seed={gen.initial_seed()}"
 
