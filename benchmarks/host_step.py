@@ -20,9 +20,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import register_configs  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
+from jobs.config import register_configs  # noqa: E402
 
 PROMPT_LEN, STUB_VOCAB = 300, 64
 
@@ -35,7 +35,7 @@ def stubbed_engine(num_seqs: int) -> LLMEngine:
                                            "job=bench", "model.device=cpu", "cache.num_blocks=20000"])
     engine = LLMEngine(cfg)
     torch.set_num_threads(1)
-    hidden = engine.model.lm_head.weight.shape[1]
+    hidden = engine.model.arch.hidden_size
     engine.runner.forward = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
     engine.model.compute_logits = lambda h: torch.zeros(h.shape[0], STUB_VOCAB)
     return engine

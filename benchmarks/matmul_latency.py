@@ -20,7 +20,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gemm import per_matmul_s, shapes  # noqa: E402
 from benchmarks.ops import bench  # noqa: E402
-from engine.llm import engine_config  # noqa: E402
+from engine.config import engine_config  # noqa: E402
 from engine.models.loader import model_spec, resolve_model_path  # noqa: E402
 
 DT = torch.bfloat16

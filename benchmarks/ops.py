@@ -7,8 +7,7 @@ Prints, in one run:
   and torch SDPA over the same K/V stored contiguously (the price of paging);
 - prefill: 1 x {512, 2048, 8192} tokens and 16 x 1024 (causal, no cached prefix): TFLOP/s (causal
   FLOPs: 4 * Hq * D * sum over queries of the keys they see), % of the matmul, and torch SDPA (causal,
-  contiguous) for comparison;
-- write_kv_cache for 8192 tokens.
+  contiguous) for comparison.
 Timing: triton.testing.do_bench medians (L2 flushed between repetitions, warm-up first); decode is
 timed as CUDA-graph replays (as the engine runs it), the rest eagerly.
 Options: --sweep also times tile/warp/stage variants and forced split counts on a few shapes;
@@ -222,20 +221,6 @@ def run_prefill(mm_tflops, shapes, bs=16):
         torch.cuda.empty_cache()
 
 
-def run_write(copy_gbs, T=8192, bs=16):
-    nb = 4 * T // bs
-    kc = torch.randn(nb, HKV, bs, D, dtype=DT, device="cuda")
-    vc = torch.randn(nb, HKV, bs, D, dtype=DT, device="cuda")
-    k = torch.randn(T, HKV, D, dtype=DT, device="cuda")
-    v = torch.randn(T, HKV, D, dtype=DT, device="cuda")
-    slots = torch.randperm(nb * bs, device="cuda")[:T].to(torch.int32)
-    ms = bench(lambda: paged_attention.write_kv_cache(k, v, kc, vc, slots), graph=True)
-    nbytes = 2 * 2 * T * HKV * D * ESZ
-    gbs = nbytes / ms / 1e6
-    log(f"\n## write_kv_cache: {T} tokens, bf16, block_size {bs}: {ms * 1e3:.1f} us, {gbs:.0f} GB/s "
-        f"({100 * gbs / copy_gbs:.0f}% of copy; read+write bytes)")
-
-
 def sweep(copy_gbs, mm_tflops):
     log("\n## sweep: decode tile configs (GB/s, % copy)")
     flat_tokens = 256 * 2048
@@ -314,7 +299,6 @@ def main():
     else:
         run_decode(copy_gbs, [1, 32, 256], [512, 2048, 8192, 32768], [16, 32, 128])
         run_prefill(mm_tflops, [(1, 512), (1, 2048), (1, 8192), (16, 1024)])
-        run_write(copy_gbs)
     log(f"\n(total {time.time() - t0:.0f} s)")
     out = os.environ.get("OUT")
     if out:

@@ -27,9 +27,9 @@ from hydra import compose, initialize_config_dir
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.config import register_configs  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
+from jobs.config import register_configs  # noqa: E402
 
 
 COPY_BYTES_PER_S = 4.26e12  # the H200's measured device-to-device copy
@@ -68,7 +68,8 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
     for _ in range(5):
         engine.step()
     bytes_per_token = engine.kv_cache.bytes / (engine.num_blocks * engine.block_size)
-    kv_floor = engine.block_manager.logical_tokens() * bytes_per_token / COPY_BYTES_PER_S
+    logical = sum(s.sequence_length for s in engine.block_manager.sequences.values())  # shared ones per row
+    kv_floor = logical * bytes_per_token / COPY_BYTES_PER_S
     wall = timed_steps(engine, steps)
     _, busy, by_kernel = kernel_seconds(run_steps, engine, steps)
     shape = f"{context}+{prefix_len}" if prefix_len else context

@@ -6,6 +6,7 @@ next two, and as decode steps far above their neighbours ("spikes": over 1.6x th
 steps around them). The engine's warm-up is meant to leave nothing of the kind for round 0.
 Usage: python3 benchmarks/repeat_nano.py
 """
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -15,20 +16,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.profile_decode import bench_engine  # noqa: E402
+from engine.generation_config import resolve_sampling  # noqa: E402
 from jobs.bench import workload  # noqa: E402
-from jobs.generate import default_sampling  # noqa: E402
 
 engine = bench_engine("job.workload=nano")
 cfg = engine.cfg
 with torch.inference_mode():
     for round_ in range(3):
-        for i, (p, s) in enumerate(workload(cfg.job, default_sampling(cfg), engine.model.arch.vocab_size)):
+        for i, (p, s) in enumerate(workload(cfg.job, resolve_sampling(cfg.sampling, engine.generation_config),
+                                                 engine.model.arch.vocab_size)):
             engine.add_request(f"{round_}-{i}", p, s)
         engine.stats.restart_clock()
         start = time.perf_counter()
         out = sum(len(s.output_token_ids) for s in engine.run())
         wall = time.perf_counter() - start
-        rows = engine.stats.rows()
+        rows = [dataclasses.asdict(step) for step in engine.stats.steps]
         t = np.array([r["step_time_s"] for r in rows if r["phase"] == "decode"]) * 1e3
         med = np.array([np.median(t[max(0, i - 5):i + 6]) for i in range(len(t))])
         pre = sum(r["step_time_s"] for r in rows if r["phase"] == "prefill")

@@ -177,10 +177,11 @@ def nano(rounds=2):
     """Output tok/s of the nano workload with logprobs None and 5, rounds of each, alternating."""
     from benchmarks.profile_decode import bench_engine
     from jobs.bench import workload
-    from jobs.generate import default_sampling
+    from engine.generation_config import resolve_sampling
 
     engine = bench_engine("job.workload=nano")
-    requests = workload(engine.cfg.job, default_sampling(engine.cfg), engine.model.arch.vocab_size)
+    requests = workload(engine.cfg.job, resolve_sampling(engine.cfg.sampling, engine.generation_config),
+                        engine.model.arch.vocab_size)
     results = {None: [], 5: []}
     with torch.inference_mode():
         for round_ in range(rounds):

@@ -3,13 +3,14 @@
     from engine import LLM, SamplingParams      # the Python API (engine/llm.py)
 
 The names below are imported when first used, so that `import engine.config` (and `python -m engine.run
---help`) does not load torch and transformers.
+--help`) does not load torch and transformers. The engine never imports Hydra, OmegaConf or the batch
+layer (jobs/).
 """
 import importlib
 
-_EXPORTS = {"LLM": "engine.llm", "Request": "engine.llm", "RequestOutput": "engine.llm",
-            "CompletionOutput": "engine.llm", "Logprob": "engine.llm",
-            "SamplingParams": "engine.sequence", "RequestError": "engine.engine"}
+_EXPORTS = {"LLM": "engine.llm", "Request": "engine.llm", "RequestOutput": "engine.outputs",
+            "CompletionOutput": "engine.outputs", "Logprob": "engine.outputs",
+            "SamplingParams": "engine.sequence", "RequestError": "engine.errors"}
 __all__ = list(_EXPORTS)
 
 

@@ -1,7 +1,7 @@
 """The CPU metadata plane: a pool of fixed-size KV blocks, the block table of every live sequence and
 the prefix cache that lets sequences share the blocks of a common prompt prefix.
 
-Address map (DESIGN.md): for token position p of a sequence with block table T and block size B,
+Address map (docs/design.md): for token position p of a sequence with block table T and block size B,
     slot = T[p // B] * B + p % B.
 Worked example: B = 4, T = [5, 2, 9, 1]; position 6 is in logical block 1 at offset 2, physical
 block 2, so slot 2 * 4 + 2 = 10.
@@ -12,6 +12,17 @@ hash to the one block holding it. A block's reference count is the number of liv
 hold it; a block released to ref 0 keeps its hash (cached, evictable) and is reused by the next
 sequence whose prompt hits it. Allocation takes free blocks first and evicts the least recently used
 cached block only when none are left.
+
+Where the hashes live: on each sequence (Sequence.block_hashes, its logical blocks' from block 0), not
+in its SequenceState; only this manager computes, matches and registers them (hash_known_blocks,
+cached_prefix, register_full_blocks, register_known_blocks). On the sequence, because a sequence is
+matched while it waits, when this manager holds no state for it (before its first admission, and after
+a preemption, when its own blocks are usually still cached), and the n samples of a prompt share its
+hashes: so each full block is hashed once, when the host learns its last token id (a decode token's,
+one step after its slot is allocated), and the hashes survive a preemption. Kept here, they would go
+with the state at a preemption, and a waiting prompt would be hashed again at each admission attempt.
+The methods that take a seq read only its block_hashes, token ids and scores_prompt; this module does
+not import engine/sequence.py, which imports it (for SequenceState).
 
 Forking (the n samples of one prompt): a new table shares every full block of its parent's (ref + 1),
 with or without prefix caching, and takes a private block for the parent's partial last block, whose
@@ -24,13 +35,14 @@ Invariants (checked by invariants_ok):
   * ref_counts[b] == the number of live block tables holding b; no table holds a block twice.
   * cached_block_of maps each hash to a block holding exactly that hash, and every block holding a
     hash is in it (so no two blocks hold the same hash).
-  * len(block_table) == ceil(sequence_length / block_size) for every live sequence; only its first
+  * len(block_table) == ceil(sequence_length / block_size) for every live sequence; sequence_length
+    is the one count of its stored tokens (a Sequence's num_computed_tokens reads it). Only its first
     num_hashed_blocks blocks, all full, can hold a hash (prefix blocks and registered full blocks).
   * a block held by two tables is full in each: prefix hits and forks share only full blocks, so
     every partial block is one sequence's own last block.
   * once every sequence is released, no block is referenced: each is free or cached.
   * table_rows[state.row] holds each live sequence's block table, then -1; every other row is all -1
-    (the data plane's block_tables are one gather of these rows: get_block_table_tensor).
+    (the data plane's block_tables are one gather of these rows: block_tables_and_seq_lens).
 Every public method either completes or raises before changing anything, so the pool is never
 left half-updated.
 """
@@ -90,9 +102,10 @@ def extend_block_hashes(hashes: list[bytes], new_token_ids, block_size: int) -> 
 
 @dataclass
 class SequenceState:
-    """Block-level state of one live sequence: its length in stored tokens, its block table, and how
-    many leading blocks of the table have been through the prefix cache (taken from it at creation
-    or offered to it by register_full_blocks)."""
+    """Block-level state of one live sequence: its length in stored tokens (the one count of them: a
+    Sequence's num_computed_tokens reads it), its block table, and how many leading blocks of the table
+    have been through the prefix cache (taken from it at creation or offered to it by
+    register_full_blocks)."""
 
     sequence_id: int
     sequence_length: int = 0
@@ -162,6 +175,11 @@ class KVBlockManager:
             blocks.append(block)
         return blocks
 
+    def cached_prefix(self, seq) -> list[int]:
+        """The cached blocks an admission of seq starts with: match_prefix of its hashes, short of the
+        block of its last token (whose logits are needed, so it is computed)."""
+        return self.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
+
     def can_admit(self, num_tokens: int, prefix_blocks) -> bool:
         """Whether a new sequence of num_tokens tokens starting with prefix_blocks would fit."""
         taken_from_cache = sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
@@ -175,11 +193,6 @@ class KVBlockManager:
 
     def can_append(self, sequence_id: int, num_tokens: int) -> bool:
         return self.new_blocks_for(sequence_id, num_tokens) <= self.num_free_blocks
-
-    def logical_tokens(self) -> int:
-        """Tokens of all live sequences, shared ones counted per sequence (what a cache without
-        sharing would hold)."""
-        return sum(s.sequence_length for s in self.sequences.values())
 
     def internal_fragmentation_tokens(self) -> int:
         """Allocated but unused slots, summed over live sequences (each wastes part of its last block)."""
@@ -343,6 +356,24 @@ class KVBlockManager:
                 self.cached_block_of[hashes[i]] = block
         state.num_hashed_blocks = max(state.num_hashed_blocks, last)
 
+    def hash_known_blocks(self, seq, *samples) -> None:
+        """Extend seq.block_hashes over its full blocks whose token ids are all known; `samples`, the other
+        samples of its prompt (no outputs yet), take copies. Nothing while prefix caching is off or seq
+        scores its prompt (a hit would skip prompt positions whose logits it needs)."""
+        if not self.enable_prefix_caching or seq.scores_prompt:
+            return
+        start = len(seq.block_hashes) * self.block_size
+        extend_block_hashes(seq.block_hashes, seq.token_slice(start, seq.num_known_tokens), self.block_size)
+        for sample in samples:
+            sample.block_hashes = list(seq.block_hashes)
+
+    def register_known_blocks(self, seq) -> None:
+        """A block of seq completed by a resolved output: hash_known_blocks, then register_full_blocks if
+        seq is live (a preempted one offers its blocks when it is admitted again and computes them)."""
+        self.hash_known_blocks(seq)
+        if seq.seq_id in self.sequences:
+            self.register_full_blocks(seq.seq_id, seq.block_hashes)
+
     def release_sequence(self, sequence_id: int) -> None:
         """Drop the sequence's references and forget it (finish or preemption). Visits the table from
         the tail, so a prompt's tail blocks enter the LRU before its head and are evicted first; a
@@ -367,10 +398,12 @@ class KVBlockManager:
         self.free_blocks.extend(self.cached_blocks)
         self.cached_blocks.clear()
 
-    # -- tensors for the data plane ----------------------------------------------------------
-    def get_block_table_tensor(self, sequence_ids: list[int], width: int | None = None) -> torch.Tensor:
-        """block_tables [len(sequence_ids), width] int32, padded with -1 (width: the longest table's, or
-        more): one gather of table_rows."""
+    # -- arrays for the data plane -----------------------------------------------------------
+    def block_tables_and_seq_lens(self, sequence_ids: list[int], width: int | None = None
+                                  ) -> tuple[np.ndarray, np.ndarray]:
+        """block_tables int32 [len(sequence_ids), width], padded with -1 (width: the longest table's, or
+        more), one gather of table_rows; and seq_lens int32 [len(sequence_ids)], the stored tokens of each.
+        Numpy, for one copy to the device."""
         states = self._states(sequence_ids)
         longest = max(map(len, map(_TABLE, states)), default=0)
         width = longest if width is None else width
@@ -380,10 +413,13 @@ class KVBlockManager:
         tables = self.table_rows[rows, :width]
         if tables.shape[1] < width:
             tables = np.pad(tables, ((0, 0), (0, width - tables.shape[1])), constant_values=-1)
-        return torch.from_numpy(tables)
+        return tables, np.fromiter(map(_LENGTH, states), np.int32, len(states))
+
+    def get_block_table_tensor(self, sequence_ids: list[int], width: int | None = None) -> torch.Tensor:
+        return torch.from_numpy(self.block_tables_and_seq_lens(sequence_ids, width)[0])
 
     def get_seq_lens_tensor(self, sequence_ids: list[int]) -> torch.Tensor:
-        return torch.tensor([self.state(s).sequence_length for s in sequence_ids], dtype=torch.int32)
+        return torch.from_numpy(self.block_tables_and_seq_lens(sequence_ids)[1])
 
     # -- checks ------------------------------------------------------------------------------
     def invariants_ok(self) -> bool:

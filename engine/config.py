@@ -1,46 +1,31 @@
-"""Structured configs (registered in Hydra's ConfigStore) and their up-front validation.
+"""The engine's settings: plain dataclasses, their presets in conf/ and their checks.
 
 conf/ mirrors these dataclasses: conf/model/*.yaml fill ModelConfig, conf/cache/*.yaml CacheConfig, and
-so on; conf/job/<name>.yaml picks one of the job schemas below. The comment beside each field is its
-description in `python -m engine.run --help` (`key_help`), so keep one there. Every node is typed, so
-unknown keys and values of the wrong type are rejected; `validate` checks values and names the field
-that is wrong.
+so on. EngineConfig is what an engine is built from (engine.LLM makes one from a preset name and keyword
+options; the batch layer, jobs/config.py, composes the same sections with Hydra and converts them). The
+comment beside each field is its description in `python -m engine.run --help`, so keep one there.
+check_engine_config names the field whose value cannot work.
 """
-import ast
 import dataclasses
-import difflib
-import functools
-import inspect
-import io
-import json
 import math
 import os
-import tokenize
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.nodes import FloatNode
+import yaml
 
+from engine.errors import ConfigError, did_you_mean
 from engine.sequence import FIELD_KINDS, SamplingParams, takes_one_value
 
+# conf/ is installed beside engine/ (pyproject.toml's package data)
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 CASCADE_MODES = ("auto", "on", "off")
 THREADED_HIDDEN_SIZE = 1024  # below this a layer's matmuls are too small to share between CPU threads
-
-
-class UserError(Exception):
-    """A problem of the input or the settings, not of the program: `python -m engine.run` prints the
-    message on one line, without a traceback, and exits with `exit_code`."""
-
-    exit_code = 1
-
-
-class ConfigError(UserError, ValueError):
-    """A setting that cannot work; the message names the field."""
 
 
 @dataclass
@@ -112,190 +97,150 @@ USE_GENERATION_CONFIG_HELP = "null sampling keys take the checkpoint's generatio
 
 
 @dataclass
-class GenerateJob:
-    name: str = "generate"
-    input: Optional[str] = None  # a Parquet/JSONL file, directory or glob; None: the sample prompts shipped in jobs/
-    prompt_column: str = "prompt"  # text, or a conversation: a list of {role, content} structs (chat template applied)
-    chat_template: bool = False  # apply the chat template to a text prompt too, as one user message
-    chat_template_kwargs: Any = None  # a mapping passed to the chat template, e.g. {enable_thinking: false}
-    id_column: Optional[str] = None  # None: column "id" when the input has one, else row numbers
-    keep_columns: Optional[list[str]] = None  # input columns carried to the output; None: all
-    output_format: str = "parquet"  # parquet: generations.parquet | openai: generations.jsonl, OpenAI batch output
-    flush_every: int = 256  # finished rows per Parquet part
-    flush_interval_s: float = 60.0  # also flush when the oldest unsaved row is this old (0: off)
+class EngineConfig:
+    """Everything an engine is built from: the model, its KV pool, the scheduler's limits and the run's
+    default sampling (sampling.* keys; null: the checkpoint's generation_config.json, else SamplingParams')."""
 
-
-@dataclass
-class BenchJob:
-    name: str = "bench"
-    workload: str = "random"  # random | nano (nano-vllm's bench.py) | long | shared_prefix (jobs/bench.py)
-    num_prompts: int = 256  # this and the lengths and seed: workload random only
-    input_len: list[int] = field(default_factory=lambda: [100, 1024])
-    output_len: list[int] = field(default_factory=lambda: [100, 1024])
-    seed: int = 0
-    baseline: str = "none"  # none | hf
-    hf_batch_size: int = 64
-
-
-@dataclass
-class AnalyzeJob:
-    name: str = "analyze"
-    root: str = MISSING  # a sweep directory: every summary.parquet below it is one run
-    out: Optional[str] = None  # where sweep.parquet and the plots go; null: job.root
-    plots: bool = True  # write the PNG plots
-
-
-EXECUTORS = ("local", "ray")
-
-
-@dataclass
-class ExecutorConfig:
-    """Where the engines run: local (one engine in this process) or ray (jobs/ray_executor.py: one engine
-    per Ray actor, the rows spread over them with Ray Data). The other keys are the ray executor's."""
-
-    name: str = "local"  # local | ray; set by executor=NAME
-    num_engines: Optional[int] = None  # ray: engine actors; null: one per GPU that Ray sees (set it on a CPU machine)
-    gpus_per_engine: float = 1.0  # ray: GPUs each engine actor holds (0: CPU engines)
-    address: Optional[str] = None  # ray: a cluster to attach to (e.g. auto); null: start a local Ray
-    batch_size: int = 512  # ray: input rows handed to an engine at a time, each run to completion
-
-
-@dataclass
-class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
-    job: Any = MISSING
 
 
-@dataclass
-class NoJob:
-    """The job node of a config that no job runs (engine.LLM builds one)."""
-
-    name: str = "llm"
+SECTIONS = {f.name: f.type for f in dataclasses.fields(EngineConfig)}  # section name -> its dataclass
+KINDS = {int: "Integer", float: "Float", bool: "Boolean", str: "String"}
 
 
-JOB_SCHEMAS = {"generate": GenerateJob, "bench": BenchJob, "analyze": AnalyzeJob}  # job=<name> -> its keys
+# -- presets and options -----------------------------------------------------------------------------
+def read_yaml(path: Path) -> dict:
+    """A conf/ file as a mapping (an empty file: {}); ConfigError naming the file otherwise."""
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} holds a {type(values).__name__}, not a mapping of keys")
+    return values
 
 
-def register_configs() -> None:
-    store = ConfigStore.instance()
-    store.store(name="base_config", node=Config)
-    for name, node in JOB_SCHEMAS.items():
-        store.store(group="job", name=f"{name}_schema", node=node)
+def default_options() -> dict[str, str]:
+    """The option conf/config.yaml's defaults list picks for each config group, e.g. {"model": "tiny"}."""
+    return {k: v for entry in read_yaml(CONF_DIR / "config.yaml")["defaults"] if isinstance(entry, dict)
+            for k, v in entry.items()}
 
 
-@functools.cache
-def _field_comments(path: str) -> dict[str, dict[str, str]]:
-    """class name -> field -> the comment on the field's line(s) in the Python file at `path`."""
-    source = Path(path).read_text()
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}
-    return {cls.name: {stmt.target.id: next((comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1)
-                                             if n in comments), "")
-                       for stmt in cls.body if isinstance(stmt, ast.AnnAssign)}
-            for cls in ast.parse(source).body if isinstance(cls, ast.ClassDef)}
+def preset_names(section: str) -> list[str]:
+    """The options of config group `section`: conf/<section>/*.yaml."""
+    return sorted(p.stem for p in (CONF_DIR / section).glob("*.yaml"))
 
 
-def key_help(schema: type) -> dict[str, str]:
-    """Each field of a config dataclass -> its description ("" where it has none). The sampling keys are
-    described by SamplingParams' comments, with what null means."""
-    if schema is not SamplingConfig:
-        return _field_comments(__file__)[schema.__name__]
-    from engine.generation_config import SAMPLING_KEYS
-
-    described = _field_comments(inspect.getsourcefile(SamplingParams))[SamplingParams.__name__]
-    help_text = {}
-    for f in dataclasses.fields(SamplingParams):
-        default = json.dumps(list(f.default) if isinstance(f.default, tuple) else f.default)
-        checkpoint = "generation_config.json's value, else " if f.name in SAMPLING_KEYS.values() else ""
-        help_text[f.name] = described[f.name] + ("" if f.default is None else f" (null: {checkpoint}{default})")
-    return {**help_text, "use_generation_config": USE_GENERATION_CONFIG_HELP}
-
-
-def _schema_of(owner: type, name: str, job: str | None) -> type | None:
-    """The dataclass under key `name` of `owner` (job: the schema of job=`job`); None for a leaf."""
-    if owner is Config and name == "job":
-        return JOB_SCHEMAS.get(job, NoJob)
-    kind = owner.__dataclass_fields__[name].type
-    return kind if dataclasses.is_dataclass(kind) else None
-
-
-def known_keys(job: str | None, owner: type = Config, prefix: str = "") -> list[str]:
-    """Every dotted key of the config of job=`job`, e.g. cache.block_size."""
-    keys = []
-    for f in dataclasses.fields(owner):
-        key, inner = f"{prefix}{f.name}", _schema_of(owner, f.name, job)
-        keys += known_keys(job, inner, f"{key}.") if inner else [key]
-    return keys
+def converted(schema: type, name: str, value):
+    """`value` for field `name` of `schema`, converted as OmegaConf converts a command line's (so that the
+    Python API and the batch layer take the same values): "3" for an int, 1e-6 as YAML's text for a float.
+    ConfigError naming the field for a value of the wrong type."""
+    kind = schema.__dataclass_fields__[name].type
+    args = typing.get_args(kind)
+    if value is None and (type(None) in args or kind is Any):
+        return None
+    base = next((a for a in args if a is not type(None)), kind)
+    if base is Any or base not in KINDS:
+        return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+    try:
+        if isinstance(value, bool) != (base is bool) and not isinstance(value, str) or \
+                base is int and isinstance(value, float):
+            raise ValueError
+        if base is bool:
+            if isinstance(value, str):
+                value = {"true": True, "false": False}[value.lower()]
+            return bool(value)
+        return base(value)
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{name}: Value {value!r} of type {type(value).__name__!r} could not be converted to "
+                          f"{KINDS[base]}") from None
 
 
-def key_field(key: str, job: str | None) -> tuple[type, dataclasses.Field]:
-    """The dataclass holding dotted `key` and its field, in the config of job=`job`. ConfigError for a
-    key the schemas do not know, naming the closest known key and the keys beside it."""
-    owner, parts = Config, key.split(".")
-    for depth, part in enumerate(parts):
-        parent = ".".join(parts[:depth])
-        if owner is None:
-            raise ConfigError(f"unknown config key {key!r}: {parent} is a value, not a group of keys")
-        if part not in owner.__dataclass_fields__:
-            raise _unknown_key(key, parent, job)
-        if depth == len(parts) - 1:
-            return owner, owner.__dataclass_fields__[part]
-        owner = _schema_of(owner, part, job)
+def section_from(schema: type, values: dict, where: str):
+    """An instance of section dataclass `schema` from a mapping (a preset file's keys); ConfigError naming an
+    unknown key and `where` it came from."""
+    known = schema.__dataclass_fields__
+    unknown = next((key for key in values if key not in known), None)
+    if unknown is not None:
+        raise ConfigError(f"{where}: unknown key {unknown!r} (known: {', '.join(known)})")
+    return schema(**{key: converted(schema, key, value) for key, value in values.items()})
 
 
-def did_you_mean(name: str, known, form: str = "; did you mean {}?") -> str:
-    """`form` filled with the name in `known` closest to `name` (a misspelt key or option), or "" when
-    none is close."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return form.format(close[0]) if close else ""
+def preset(section: str, name: str):
+    """Section `section`'s dataclass filled from conf/<section>/<name>.yaml."""
+    path = CONF_DIR / section / f"{name}.yaml"
+    return section_from(SECTIONS[section], read_yaml(path), str(path.relative_to(CONF_DIR.parent)))
 
 
-def _unknown_key(key: str, parent: str, job: str | None) -> ConfigError:
-    everything = known_keys(job)
-    elsewhere = [name for name in JOB_SCHEMAS if parent == "job" and key in known_keys(name)]
-    hint = f"; it is a key of job={' and job='.join(elsewhere)}" if elsewhere else did_you_mean(key, everything)
-    if parent:
-        names = [k.removeprefix(f"{parent}.") for k in everything if k.startswith(f"{parent}.")]
-        where = f"{parent} keys of job={job}" if parent == "job" else f"{parent} keys"
-    else:
-        names, where = list(dict.fromkeys(k.split(".")[0] for k in everything)), "top-level keys"
-    return ConfigError(f"unknown config key {key!r}{hint} ({where}: {', '.join(names)})")
+# engine option -> its config section: every field of the sections but the two that `model` sets
+OPTIONS = {f.name: section for section in ("model", "cache", "scheduler") for f in dataclasses.fields(SECTIONS[section])
+           if f.name not in ("name", "path")}
 
 
-def _leaves(node: DictConfig, prefix: str = ""):
-    """(dotted key, value node) of every leaf below `node`; lists are leaves, and so are mappings that are
-    values (job.chat_template_kwargs={enable_thinking: false}) rather than groups of keys (a structured
-    config: its dataclass is its type)."""
-    for key in node.keys():
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
-            yield from _leaves(child, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", child
+def engine_config(model: str = "tiny", **options) -> EngineConfig:
+    """The checked config of LLM(model, **options): the presets conf/config.yaml picks by default (the same
+    as the command line's), `model` a conf/model/ name or else a checkpoint directory or hub id, and the
+    options by their field names (vLLM's where it has one). TypeError for an unknown option."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        named = ", ".join(f"{name!r}{did_you_mean(name, OPTIONS, ' (did you mean {}?)')}" for name in unknown)
+        raise TypeError(f"LLM() got unknown engine options: {named} (known: {', '.join(sorted(OPTIONS))})")
+    chosen = default_options()
+    is_name = model in preset_names("model")
+    sections = {section: preset(section, model if section == "model" and is_name else chosen[section])
+                for section in SECTIONS}
+    if not is_name:  # a checkpoint directory or a hub id
+        sections["model"] = dataclasses.replace(sections["model"], path=model, name=Path(model).name)
+    for name, value in options.items():
+        section = sections[OPTIONS[name]]
+        setattr(section, name, converted(type(section), name, value))
+    cfg = EngineConfig(**sections)
+    check_engine_config(cfg)
+    return cfg
 
 
-def _check(ok: bool, field_name: str, message: str, value: Any) -> None:
+# -- checks ------------------------------------------------------------------------------------------
+def check_value(ok: bool, field_name: str, message: str, value: Any) -> None:
     if not ok:
         raise ConfigError(f"{field_name} {message}, got {value!r}")
 
 
-def check_keys(cfg) -> None:
-    """Reject keys the schemas do not know (a composed config: Hydra lets `+cache.blok_size=3` through)."""
-    job = cfg.job.name if OmegaConf.is_dict(cfg.get("job")) else None
-    for key, _ in _leaves(cfg):
-        key_field(key, job)
+def check_finite(section_name: str, values: dict) -> None:
+    """No float setting has a use for inf or nan (not a temperature, a share of memory, a budget, an
+    interval); `values`: a section's keys and values."""
+    for key, value in values.items():
+        if isinstance(value, float):
+            check_value(math.isfinite(value), f"{section_name}.{key}", "must be a finite number", value)
 
 
-def check_finite(cfg) -> None:
-    """No float key has a use for inf or nan (not a temperature, a share of memory, a budget, an interval)."""
-    for key, node in _leaves(cfg):
-        value = OmegaConf.select(cfg, key) if isinstance(node, FloatNode) else None
-        if value is not None:
-            _check(math.isfinite(value), key, "must be a finite number", value)
+def check_engine_config(cfg) -> None:
+    """Raise ConfigError naming the first engine setting (model, cache, scheduler, sampling) whose value
+    cannot work. A pool too small for one sequence of max_model_len is found where the pool is sized
+    (engine/kv_cache.py's num_blocks_for), as it may depend on the device's memory."""
+    for name in SECTIONS:
+        check_finite(name, vars(getattr(cfg, name)))
+    m, c, s = cfg.model, cfg.cache, cfg.scheduler
+    check_value(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}", m.dtype)
+    check_value(m.device in DEVICES, "model.device", f"must be one of {DEVICES}", m.device)
+    check_value(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
+    check_value(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
+    check_value(c.block_size >= 1, "cache.block_size", "must be >= 1", c.block_size)
+    check_value(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)
+    check_value(c.kv_budget_gb is None or c.kv_budget_gb > 0, "cache.kv_budget_gb", "must be > 0", c.kv_budget_gb)
+    check_value(0 < c.gpu_memory_utilization <= 1, "cache.gpu_memory_utilization", "must be in (0, 1]", c.gpu_memory_utilization)
+    modes = ", ".join(CASCADE_MODES)
+    if str(c.cascade_attention) in ("True", "False"):  # YAML reads unquoted on and off as booleans
+        modes += " (quote on and off in YAML files)"
+    check_value(c.cascade_attention in CASCADE_MODES, "cache.cascade_attention", f"must be one of {modes}", c.cascade_attention)
+    check_value(s.max_num_seqs is None or s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
+    check_value(s.step_timeout_s is None or s.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0 or null",
+           s.step_timeout_s)
+    check_value(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
+           "must be >= 1", s.max_num_batched_tokens)
+    sampling_params(cfg.sampling)
 
 
 def cpu_threads(model_cfg, hidden_size: int) -> int:
@@ -311,20 +256,12 @@ def cpu_threads(model_cfg, hidden_size: int) -> int:
     return max(1, min(usable, hidden_size // 256))
 
 
-def check_pool(num_blocks: int, block_size: int, max_model_len: int) -> None:
-    """A pool must hold at least one sequence of max_model_len, or a request could never finish."""
-    need = -(-max_model_len // block_size)
-    if num_blocks < need:
-        raise ConfigError(
-            f"cache: a pool of {num_blocks} blocks of {block_size} tokens ({num_blocks * block_size} tokens) cannot "
-            f"hold one sequence of model.max_model_len {max_model_len} ({need} blocks); raise cache.num_blocks "
-            f"(or cache.kv_budget_gb, cache.gpu_memory_utilization) or lower model.max_model_len")
-
-
 def set_sampling(sampling_cfg) -> dict:
-    """The sampling.* keys that are set (not null), by SamplingParams field, as plain values."""
-    values = OmegaConf.to_container(sampling_cfg) if OmegaConf.is_config(sampling_cfg) else dict(sampling_cfg)
-    return {f.name: values[f.name] for f in dataclasses.fields(SamplingParams) if values.get(f.name) is not None}
+    """The sampling.* keys that are set (not null), by SamplingParams field, as plain values (a list for
+    any sequence of values)."""
+    values = {f.name: getattr(sampling_cfg, f.name) for f in dataclasses.fields(SamplingParams)}
+    return {name: list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+            for name, value in values.items() if value is not None}
 
 
 def sampling_params(sampling_cfg) -> SamplingParams:
@@ -333,60 +270,3 @@ def sampling_params(sampling_cfg) -> SamplingParams:
         return SamplingParams(**set_sampling(sampling_cfg))
     except ValueError as err:
         raise ConfigError(f"sampling.{err}") from None
-
-
-def check_executor(e) -> None:
-    _check(e.name in EXECUTORS, "executor.name", f"must be one of {EXECUTORS} (set it with executor=NAME)", e.name)
-    _check(e.num_engines is None or e.num_engines >= 1, "executor.num_engines", "must be >= 1 or null (one per GPU)",
-           e.num_engines)
-    _check(e.gpus_per_engine >= 0, "executor.gpus_per_engine", "must be >= 0", e.gpus_per_engine)
-    _check(e.batch_size >= 1, "executor.batch_size", "must be >= 1", e.batch_size)
-    _check(e.address is None or bool(e.address.strip()), "executor.address",
-           "must be a Ray address such as auto or ray://host:10001, or null for a local Ray", e.address)
-
-
-def validate(cfg) -> None:
-    """Raise ConfigError naming the first field whose value cannot work."""
-    check_keys(cfg)
-    check_finite(cfg)
-    m, c, s, p = cfg.model, cfg.cache, cfg.scheduler, cfg.sampling
-    _check(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}", m.dtype)
-    _check(m.device in DEVICES, "model.device", f"must be one of {DEVICES}", m.device)
-    _check(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
-    _check(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
-    _check(c.block_size >= 1, "cache.block_size", "must be >= 1", c.block_size)
-    _check(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)
-    _check(c.kv_budget_gb is None or c.kv_budget_gb > 0, "cache.kv_budget_gb", "must be > 0", c.kv_budget_gb)
-    _check(0 < c.gpu_memory_utilization <= 1, "cache.gpu_memory_utilization", "must be in (0, 1]", c.gpu_memory_utilization)
-    modes = ", ".join(CASCADE_MODES)
-    if c.cascade_attention in ("True", "False"):  # YAML reads unquoted on and off as booleans
-        modes += " (quote on and off in YAML files)"
-    _check(c.cascade_attention in CASCADE_MODES, "cache.cascade_attention", f"must be one of {modes}", c.cascade_attention)
-    _check(s.max_num_seqs is None or s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
-    _check(s.step_timeout_s is None or s.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0 or null",
-           s.step_timeout_s)
-    _check(s.max_num_batched_tokens is None or s.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
-           "must be >= 1", s.max_num_batched_tokens)
-    sampling_params(p)
-    if c.num_blocks is not None:
-        check_pool(c.num_blocks, c.block_size, m.max_model_len)
-    check_executor(cfg.executor)
-    if cfg.job.name == "generate":
-        j = cfg.job
-        _check(j.flush_every >= 1, "job.flush_every", "must be >= 1", j.flush_every)
-        _check(j.flush_interval_s >= 0, "job.flush_interval_s", "must be >= 0", j.flush_interval_s)
-        _check(bool(j.prompt_column), "job.prompt_column", "must name a column", j.prompt_column)
-        _check(j.id_column is None or bool(j.id_column), "job.id_column", "must name a column or be null", j.id_column)
-        _check(j.input is None or bool(j.input.strip()), "job.input",
-               "is empty: give a Parquet or JSONL file, a directory or a glob (or leave it unset for the sample)", j.input)
-        _check(j.chat_template_kwargs is None or OmegaConf.is_dict(j.chat_template_kwargs), "job.chat_template_kwargs",
-               "must be a mapping such as {enable_thinking: false}, or null", j.chat_template_kwargs)
-        _check(j.output_format in ("parquet", "openai"), "job.output_format", "must be 'parquet' or 'openai'", j.output_format)
-    if cfg.job.name == "bench":
-        for key in ("input_len", "output_len"):
-            lo_hi = list(cfg.job[key])
-            _check(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], f"job.{key}", "must be [min, max] with 1 <= min <= max", lo_hi)
-        workloads = ("random", "nano", "long", "shared_prefix")
-        _check(cfg.job.workload in workloads, "job.workload", f"must be one of {workloads}", cfg.job.workload)
-        _check(cfg.job.num_prompts >= 1, "job.num_prompts", "must be >= 1", cfg.job.num_prompts)
-        _check(cfg.job.baseline in ("none", "hf"), "job.baseline", "must be 'none' or 'hf'", cfg.job.baseline)

@@ -10,17 +10,19 @@ hold max_entries groups, the step's groups followed by empty ones (cu_group_rows
 prefix 0), and the bucket's padding rows come after every group.
 
 A step with prompt chunks has lengths, chunks and groups of its own, so its attention (the kernels'
-grids and metadata) cannot be a graph's; everything else in it depends only on its token count. Its
-forward is cut into num_layers + 1 pieces at the attention calls, each piece a graph per token-count
-bucket, and the step replays piece 0, runs layer 0's attention eagerly, replays piece 1, and so on: ~10
-launches a layer become ~3. The tokens past the step's own, up to the bucket, are padding (StaticInputs):
-rows are independent outside attention, and attention never reads them.
+grids and metadata) cannot be a graph's; everything else in it depends only on its token count. The
+model declares its forward as num_layers + 1 pieces cut at the attention calls (engine/models/decoder.py),
+each piece here a graph per token-count bucket, and the step replays piece 0, runs layer 0's attention
+eagerly, replays piece 1, and so on: ~10 launches a layer become ~3. The tokens past the step's own, up
+to the bucket, are padding (StaticInputs): rows are independent outside attention, and attention never
+reads them.
 """
 import time
 
 import torch
 
 from engine.attention import AttentionMetadata, CascadeMetadata
+from engine.models.decoder import ForwardState
 from engine.prefix_groups import CascadePolicy
 
 
@@ -134,9 +136,10 @@ class PiecewiseGraphs:
     attention calls (see the module's docstring). Static buffers, sliced to a bucket's first rows: the
     inputs (StaticInputs), the rotated q and the attention output [max_tokens, Hq, D] (shared by every layer:
     a layer's attention reads q and writes its output between two pieces) and the final hidden states.
-    The residual stream passes from one piece to the next in the graphs' pool; pieces are captured and
-    replayed in the same order, so the pool's reuse during capture is right during replay. capture=False
-    runs the same pieces eagerly (the CPU, where there are no graphs: the tests check the cut there)."""
+    The residual stream passes from one piece to the next in the graphs' pool (self.state holds it between
+    them); pieces are captured and replayed in the same order, so the pool's reuse during capture is right
+    during replay. capture=False runs the same pieces eagerly (the CPU, where there are no graphs: the tests
+    check the cut there)."""
 
     @torch.inference_mode()
     def __init__(self, model, kv_cache, max_tokens: int, device, capture: bool = True):
@@ -144,11 +147,10 @@ class PiecewiseGraphs:
         arch = model.arch
         self.buckets = token_buckets(max_tokens)
         self.inputs = StaticInputs(max_tokens, device)
-        dtype = model.lm_head.weight.dtype
-        self.q = torch.zeros(max_tokens, arch.num_attention_heads, arch.head_dim, dtype=dtype, device=device)
+        self.q = torch.zeros(max_tokens, arch.num_attention_heads, arch.head_dim, dtype=model.dtype, device=device)
         self.attn_out = torch.zeros_like(self.q)
-        self.hidden = torch.zeros(max_tokens, arch.hidden_size, dtype=dtype, device=device)
-        self.residual = None  # the residual stream between two pieces
+        self.hidden = torch.zeros(max_tokens, arch.hidden_size, dtype=model.dtype, device=device)
+        self.state: ForwardState | None = None  # a forward's, between two of its pieces
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] | None = None
         start = time.perf_counter()
         if capture:
@@ -173,25 +175,21 @@ class PiecewiseGraphs:
 
     @property
     def num_pieces(self) -> int:
-        return self.model.arch.num_hidden_layers + 1
+        return self.model.num_pieces
 
     def _piece(self, piece: int, size: int) -> None:
-        """Piece i of a forward over the buffers' first `size` rows: layer i - 1 after its attention
-        (none for i = 0: the embedding), then layer i up to its attention (for the last piece: the final
-        norm into self.hidden)."""
-        decoder = self.model.model
+        """The model's piece `piece` over the buffers' first `size` rows: it reads the static attention output
+        and writes the static q; the last one's final hidden states are copied into self.hidden."""
         if piece == 0:
-            self.residual = decoder.embed_tokens(self.inputs.input_ids[:size])
+            inputs = self.inputs
+            self.state = ForwardState(inputs.input_ids[:size], inputs.positions[:size], inputs.slot_mapping[:size],
+                                      q_out=self.q[:size])
         else:
-            decoder.layers[piece - 1].after_attention(self.attn_out[:size].flatten(1), self.residual)
-        if piece == len(decoder.layers):
-            self.hidden[:size].copy_(decoder.norm(self.residual))
-            self.residual = None
-            return
-        caches = self.kv_cache.key_caches[piece], self.kv_cache.value_caches[piece]
-        positions, slots = self.inputs.positions[:size], self.inputs.slot_mapping[:size]
-        decoder.layers[piece].before_attention(self.residual, positions, decoder.rotary, *caches, slots,
-                                               q_out=self.q[:size])
+            self.state.attn_out = self.attn_out[:size].flatten(1)
+        self.model.piece(piece, self.state, self.kv_cache)
+        if piece == self.num_pieces - 1:
+            self.hidden[:size].copy_(self.state.hidden)
+            self.state = None
 
     def fits(self, num_tokens: int) -> bool:
         return smallest_bucket(self.buckets, num_tokens) is not None
@@ -203,13 +201,12 @@ class PiecewiseGraphs:
         num_tokens = input_ids.shape[0]
         size = smallest_bucket(self.buckets, num_tokens)
         self.inputs.stage(input_ids, positions, meta.slot_mapping, size)
-        layers, q, out = self.model.model.layers, self.q[:num_tokens], self.attn_out[:num_tokens]
+        q, out, last = self.q[:num_tokens], self.attn_out[:num_tokens], self.num_pieces - 1
         for piece in range(self.num_pieces):
             if self.graphs is None:
                 self._piece(piece, size)
             else:
                 self.graphs[size][piece].replay()
-            if piece < len(layers):
-                caches = self.kv_cache.key_caches[piece], self.kv_cache.value_caches[piece]
-                layers[piece].self_attn.attn.attend(q, *caches, meta, out=out)
+            if piece < last:
+                self.model.attend(piece, q, self.kv_cache, meta, out=out)
         return self.hidden[:num_tokens]

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import torch
 
-from engine.block_manager import KVBlockManager, blocks_needed, extend_block_hashes
-from engine.config import ConfigError, cpu_threads
+from engine.block_manager import KVBlockManager, blocks_needed
+from engine.config import cpu_threads
 from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ConfigError, RequestError
 from engine.generation_config import read_generation_config, stop_ids
 from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
 from engine.prefix_groups import CascadePolicy
-from engine.sampler import MAX_LOGPROBS, compile_samplers, scores_prompt
+from engine.sampler import MAX_LOGPROBS, compile_samplers
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.stats import StatsRecorder, snapshot
@@ -26,10 +27,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # (max_num_seqs, max_num_batched_tokens) when the config leaves them unset: on CUDA what measured best on
 # an H200 (benchmarks/NOTES.md); on the CPU small batches, where a step's cost grows with its tokens.
 SCHEDULER_DEFAULTS = {"cuda": (512, 16384), "cpu": (64, 2048)}
-
-
-class RequestError(ValueError):
-    """A request that can never run (empty, too long for max_model_len or for the whole pool)."""
 
 
 def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
@@ -136,40 +133,27 @@ class LLMEngine:
         return self.block_manager.num_physical_blocks
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
-        """Queue a request's n samples; returns sample 0. Raises RequestError, queueing nothing, if it can
-        never run. Samples 1..n-1 are held by sample 0 and forked from it in the step that computes its
-        last prompt chunk (the scheduler's Fork), so the prompt is computed once; where they cannot be
-        forked they are queued first in line then, to take its full blocks from the prefix cache. A
-        request for prompt logprobs takes nothing from the cache (as in vLLM) nor forks: each sample
-        computes its prompt to have them."""
-        self.check_request(len(prompt_token_ids), sampling)
-        if max(prompt_token_ids) >= self.model.arch.vocab_size or min(prompt_token_ids) < 0:
-            raise RequestError(f"token ids must be in [0, {self.model.arch.vocab_size})")
+        """Queue a request's n samples; returns sample 0. The caller has checked the request (LLM does,
+        once: check_request, and its token ids against the vocabulary). Samples 1..n-1 are held by sample
+        0 and forked from it in the step that computes its last prompt chunk (the scheduler's Fork), so
+        the prompt is computed once; where they cannot be forked they are queued first in line then, to
+        take its full blocks from the prefix cache. A request for prompt logprobs takes nothing from the
+        cache nor forks: each sample computes its prompt to have them."""
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
         samples = [Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling.sample(i),
                             max_num_tokens, sample_index=i) for i in range(sampling.n)]
         first, rest = samples[0], samples[1:]
-        self._hash_known_blocks(first)
-        for seq in rest:  # the same prompt: the same hashes
-            seq.block_hashes = list(first.block_hashes)
+        self.block_manager.hash_known_blocks(first, *rest)
         if sampling.stop:
             for seq in samples:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(first)
-        if scores_prompt(first):
+        if first.scores_prompt:
             for seq in rest:
                 self.scheduler.add(seq)
         else:
             first.held_samples = rest
         return first
-
-    def _hash_known_blocks(self, seq: Sequence) -> None:
-        """Extend seq.block_hashes over the full blocks whose tokens are all known (prefix caching). A
-        sequence still scoring its prompt gets none: a prefix-cache hit would skip prompt positions."""
-        if not self.prefix_caching or scores_prompt(seq):
-            return
-        start = len(seq.block_hashes) * self.block_size
-        extend_block_hashes(seq.block_hashes, seq.token_slice(start, seq.num_known_tokens), self.block_size)
 
     def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
         if prompt_len == 0:
@@ -210,12 +194,11 @@ class LLMEngine:
         return finished
 
     def _account(self, batch) -> None:
-        """Count the launched chunks as computed; a chunk that ends its sequence's prefill drew a token,
-        as did the samples forked from it, which stays a placeholder until resolved."""
-        for seq, n, draws in zip(batch.seqs, batch.num_new_tokens, batch.draws):
-            seq.num_computed_tokens += n
-            if draws:
-                seq.output_token_ids.append(PLACEHOLDER)
+        """A launched chunk that ends its sequence's prefill drew a token, as did the samples forked from
+        it, which stays a placeholder until resolved (the chunks' tokens counted as computed when the
+        scheduler allocated their slots)."""
+        for seq in itertools.compress(batch.seqs, batch.draws):
+            seq.output_token_ids.append(PLACEHOLDER)
         for fork in batch.forks:
             for child in fork.children:
                 child.output_token_ids.append(PLACEHOLDER)
@@ -237,7 +220,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
             elif self.prefix_caching and (len(seq.prompt_token_ids) + index + 1) % self.block_size == 0:
-                self._register_block_of_outputs(seq)
+                self.block_manager.register_known_blocks(seq)
         return finished
 
     def _tokens(self, step: InFlight) -> list[int]:
@@ -247,13 +230,6 @@ class LLMEngine:
         if not wait_until(step.done, deadline):
             raise stalled(step.inputs, deadline, self.run_dir)
         return step.host_tokens.tolist()
-
-    def _register_block_of_outputs(self, seq: Sequence) -> None:
-        """A block of known tokens completed by outputs: hash it, and offer it to the cache if the
-        sequence still holds it (a preempted one rehashes nothing until it is admitted again)."""
-        self._hash_known_blocks(seq)
-        if seq.status is Status.RUNNING:
-            self.block_manager.register_full_blocks(seq.seq_id, seq.block_hashes)
 
     def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
         """stop, length or None for output `index` (= token) of seq; sets seq.stop_reason and, for a stop

@@ -6,11 +6,12 @@ Sampling settings the user leaves unset (null sampling.* keys) take generation_c
 vLLM does by default (its generation_config="auto"), else SamplingParams' defaults; the log names where
 each one came from. sampling.use_generation_config=false uses only the config and the defaults.
 """
-import json
 import logging
 from pathlib import Path
 
-from engine.config import ConfigError, set_sampling
+from engine.config import set_sampling
+from engine.errors import ConfigError
+from engine.models.loader import eos_ids, read_json_config
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("minipaged")
@@ -23,27 +24,14 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 def read_generation_config(path: Path | None) -> dict:
     """The checkpoint's generation_config.json as a dict; {} without a checkpoint or without the file."""
     file = path / FILE if path else None
-    if file is None or not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"model.path: cannot read {file} ({err})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"model.path: {file} holds a JSON {type(config).__name__}, not an object")
-    return config
-
-
-def eos_ids(value) -> list[int]:
-    """An eos_token_id entry (absent, an int or a list) as a list."""
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
+    return read_json_config(file) if file is not None and file.is_file() else {}
 
 
 def stop_ids(config_eos: list[int], generation: dict) -> frozenset[int]:
     """The union of config.json's and generation_config.json's end-of-sequence ids, logged."""
-    ids = frozenset(config_eos) | frozenset(eos_ids(generation.get("eos_token_id")))
-    log.info("end of sequence: token ids %s (config.json %s, %s %s)", sorted(ids), config_eos, FILE,
-             eos_ids(generation.get("eos_token_id")))
+    generation_eos = eos_ids(generation.get("eos_token_id"))
+    ids = frozenset(config_eos) | frozenset(generation_eos)
+    log.info("end of sequence: token ids %s (config.json %s, %s %s)", sorted(ids), config_eos, FILE, generation_eos)
     return ids
 
 

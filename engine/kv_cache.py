@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.block_manager import blocks_needed
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -71,17 +71,23 @@ def num_blocks_for(cache_cfg, per_block: int, device: torch.device, max_model_le
     (host memory on the CPU, torch.cuda.mem_get_info on CUDA). Without them: on CUDA free_bytes (the
     share of device memory left for KV, kv_bytes_left), on the CPU HOST_KV_SHARE of the host memory
     available after the weights, at most max_num_seqs sequences of max_model_len (a bound: the memory of a
-    CPU pool is taken block by block as the job writes them, zeros_on_first_touch). A sized pool must hold
-    one sequence of max_model_len. Raises ConfigError, with the bytes needed and available, otherwise."""
+    CPU pool is taken block by block as the job writes them, zeros_on_first_touch). Every pool must hold one
+    sequence of max_model_len, or a request could never finish: this is the one place that rule is kept.
+    Raises ConfigError, with the blocks or bytes needed and available, otherwise."""
+    seq_blocks = blocks_needed(max_model_len, cache_cfg.block_size)
     if cache_cfg.num_blocks is not None or cache_cfg.kv_budget_gb is not None:
         blocks = cache_cfg.num_blocks
         if blocks is None:
             blocks = int(cache_cfg.kv_budget_gb * 1e9 // per_block)
             if blocks < 1:
                 raise ConfigError(f"cache.kv_budget_gb {cache_cfg.kv_budget_gb} holds no block of {per_block} bytes")
+        if blocks < seq_blocks:
+            raise ConfigError(
+                f"cache: a pool of {blocks} blocks of {cache_cfg.block_size} tokens ({blocks * cache_cfg.block_size} "
+                f"tokens) cannot hold one sequence of model.max_model_len {max_model_len} ({seq_blocks} blocks); raise "
+                f"cache.num_blocks (or cache.kv_budget_gb, cache.gpu_memory_utilization) or lower model.max_model_len")
         check_pool_fits(blocks, per_block, device)
         return blocks
-    seq_blocks = blocks_needed(max_model_len, cache_cfg.block_size)
     if device.type == "cuda":
         blocks = free_bytes // per_block
         where = f"cache.gpu_memory_utilization {cache_cfg.gpu_memory_utilization} leaves {free_bytes / 1e9:.2f} GB for KV"

@@ -19,60 +19,25 @@ job (and a distributed executor) drives: requests come from any iterable and are
 queued only while fewer than `window` are in the engine, results are yielded as they finish, and a
 request that cannot run yields an error result (RequestOutput.error) instead of raising.
 """
-import dataclasses
 import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+import torch
 
-from engine.config import (CacheConfig, Config, ConfigError, ModelConfig, NoJob, SchedulerConfig, check_pool,
-                           did_you_mean, validate)
-from engine.engine import LLMEngine, RequestError
+from engine.config import engine_config
+from engine.engine import LLMEngine
+from engine.errors import ConfigError, RequestError, did_you_mean
 from engine.generation_config import resolve_sampling
+from engine.models.loader import to_hf_model
+from engine.outputs import OutputProcessor, RequestOutput
 from engine.sequence import SamplingParams
+from engine.stats import FloorModel, StepStats, floor_model, steps_table
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-# engine option -> its config section: every field of the sections but the two that `model` sets
-OPTIONS = {f.name: section for section, schema in SECTIONS.items() for f in dataclasses.fields(schema)
-           if f.name not in ("name", "path")}
 # a dict prompt holds one of these keys, as vLLM's TextPrompt and TokensPrompt: its type, in words
 DICT_PROMPTS = {"prompt": (str, "a string"), "prompt_token_ids": ((list, tuple), "a list of token ids")}
 PROMPT_KINDS = "a string, a list of token ids, or a dict with 'prompt' (a string) or 'prompt_token_ids'"
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None  # 1 for the most likely token; None for the token drawn when outside the k returned
-
-
-Logprobs = list[dict[int, Logprob]]  # per token: {the token: its Logprob, then the k most likely, by rank}
-
-
-@dataclass
-class CompletionOutput:
-    index: int  # the sample's index among the request's n
-    text: str  # cut before the stop string that ended it (unless include_stop_str_in_output)
-    token_ids: list[int]  # every token drawn, the one that completed a stop string or a stop id included
-    finish_reason: str | None  # stop | length
-    logprobs: Logprobs | None = None  # when SamplingParams.logprobs is not None
-    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it; None for EOS
-
-
-@dataclass
-class RequestOutput:
-    request_id: Any
-    prompt: str | None  # None for token-id prompts and conversations
-    prompt_token_ids: list[int] | None  # None when the request failed before tokenization
-    outputs: list[CompletionOutput]  # one per sample (SamplingParams.n), by index; empty when the request failed
-    error: str | None = None  # why the request could not run (stream() only; generate() raises)
-    finished: bool = True
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # when SamplingParams.prompt_logprobs is not None
 
 
 @dataclass
@@ -87,45 +52,35 @@ class Request:
     error: str | None = None
 
 
-def default_groups() -> dict[str, str]:
-    """The config groups conf/config.yaml picks by default, e.g. {"model": "tiny", "cache": "default"}."""
-    defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml").defaults)
-    return {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items()}
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine's settings came to once it was built (the settings columns of summary.parquet)."""
+    model: str  # model.name
+    model_path: str  # model.path, "" for random weights
+    dtype: str
+    device: str  # cuda | cpu
+    device_name: str
+    block_size: int
+    num_blocks: int
+    kv_slots: int  # num_blocks * block_size
+    kv_budget_bytes: int  # the KV pool's bytes
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
-def model_names() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+@dataclass
+class RunStats:
+    """What the engine has done since it was built (engine/stats.py): its steps (steps.parquet's rows) and
+    the run-level figures over all of them (summary.parquet's: wall_time_s counts from the start of the
+    latest stream, generate or chat, so a job's set-up is not in it)."""
+    steps: list[StepStats]  # from step `since_step` of stats() on
+    figures: dict
+    sampler_fallbacks: int  # rows drawn through the truncating sampler's exact fallback
 
-
-def engine_config(model: str, **options) -> DictConfig:
-    """The validated config of LLM(model, **options): the structured configs of engine/config.py with the
-    same conf/*.yaml defaults as the command line, built without Hydra's global state."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        named = ", ".join(f"{name!r}{did_you_mean(name, OPTIONS, ' (did you mean {}?)')}" for name in unknown)
-        raise TypeError(f"LLM() got unknown engine options: {named} (known: {', '.join(sorted(OPTIONS))})")
-    groups = default_groups()
-    is_name = model in model_names()
-    cfg = OmegaConf.structured(Config)
-    cfg.job = OmegaConf.structured(NoJob)
-    for section in ("model", "cache", "scheduler", "sampling"):
-        option = model if section == "model" and is_name else groups[section]
-        cfg[section] = OmegaConf.merge(cfg[section], OmegaConf.load(CONF_DIR / section / f"{option}.yaml"))
-    if not is_name:  # a checkpoint directory or a hub id
-        cfg.model.path, cfg.model.name = model, Path(model).name
-    for name, value in options.items():
-        try:
-            cfg[OPTIONS[name]][name] = value
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"{name}: {str(err).splitlines()[0]}") from None
-    validate(cfg)
-    return cfg
-
-
-def default_sampling(cfg, generation_config: dict | None = None) -> SamplingParams:
-    """The run's SamplingParams: the sampling section of the config, with the checkpoint's
-    generation_config.json (a dict) for the keys it leaves null."""
-    return resolve_sampling(cfg.sampling, generation_config or {})
+    def table(self):
+        """The steps as steps.parquet's table (engine/stats.py's STEPS_SCHEMA)."""
+        return steps_table(self.steps)
 
 
 class LLM:
@@ -134,8 +89,8 @@ class LLM:
 
     @classmethod
     def from_config(cls, cfg, run_dir=None) -> "LLM":
-        """An LLM on an already validated config (the jobs: Hydra composed it); run_dir: where a stalled
-        step's inputs are saved (engine/watchdog.py)."""
+        """An LLM on a checked EngineConfig (engine/config.py; the batch layer converts what Hydra
+        composed); run_dir: where a stalled step's inputs are saved (engine/watchdog.py)."""
         llm = cls.__new__(cls)
         llm._start(cfg, run_dir)
         return llm
@@ -143,11 +98,46 @@ class LLM:
     def _start(self, cfg, run_dir=None) -> None:
         self.cfg = cfg
         self.engine = LLMEngine(cfg, run_dir)
-        check_pool(self.engine.num_blocks, self.engine.block_size, self.engine.max_model_len)
         self.tokenizer = self.engine.tokenizer
-        self.default_sampling = default_sampling(cfg, self.engine.generation_config)
+        self.default_sampling = resolve_sampling(cfg.sampling, self.engine.generation_config)
         check_run_sampling(self.engine, self.default_sampling)
+        self._outputs = OutputProcessor(self.tokenizer)
         self._abandoned = False  # a stream was left before its end: its requests are still in the engine
+
+    # -- what a run needs to know of the engine ------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.arch.vocab_size
+
+    def settings(self) -> EngineSettings:
+        engine = self.engine
+        device = engine.device
+        return EngineSettings(
+            model=self.cfg.model.name, model_path=self.cfg.model.path or "", dtype=str(engine.dtype).removeprefix("torch."),
+            device=device.type, device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            block_size=engine.block_size, num_blocks=engine.num_blocks, kv_slots=engine.num_blocks * engine.block_size,
+            kv_budget_bytes=engine.kv_cache.bytes, max_model_len=engine.max_model_len,
+            max_num_seqs=engine.scheduler.max_num_seqs, max_num_batched_tokens=engine.scheduler.max_num_batched_tokens)
+
+    def stats(self, since_step: int = 0) -> RunStats:
+        """The steps from `since_step` on and the figures of the whole run (waits for the device)."""
+        engine = self.engine
+        return RunStats(engine.stats.steps[since_step:],
+                        engine.stats.summary(engine.num_blocks, engine.block_size, engine.max_model_len),
+                        engine.sampler_fallbacks)
+
+    def floor_model(self) -> FloorModel:
+        """The model's sizes that engine/stats.py's workload floor is computed from."""
+        engine = self.engine
+        return floor_model(engine.model, engine.kv_cache.bytes // (engine.num_blocks * engine.block_size))
+
+    def hf_model(self):
+        """transformers' model with this engine's weights (a baseline to compare with)."""
+        return to_hf_model(self.engine.model)
+
+    def close(self) -> None:
+        """Free the KV cache and the CUDA graphs; generating afterwards is an error."""
+        self.engine.close()
 
     # -- everything at once --------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
@@ -183,17 +173,11 @@ class LLM:
     def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None) -> list[RequestOutput]:
         for request, params in zip(requests, per_request(sampling_params, len(requests))):
             request.sampling_params = params
-        for request in requests:  # every prompt checked before any work, as vLLM does
-            try:
-                request.prompt_token_ids = self._token_ids(request, chat_template_kwargs)
-                self.engine.check_request(len(request.prompt_token_ids), self._sampling(request))
-            except RequestError as err:
-                raise RequestError(f"prompt {request.request_id}: {err}") from None
-        results = sorted(self.stream(requests), key=lambda out: out.request_id)
-        failed = next((out for out in results if out.error), None)
-        if failed:
-            raise RequestError(f"prompt {failed.request_id}: {failed.error}")
-        return results
+        checked = [self._checked(request, chat_template_kwargs) for request in requests]
+        failed = next(((request, error) for request, _, error in checked if error), None)
+        if failed:  # every prompt checked before any work, as vLLM does
+            raise RequestError(f"prompt {failed[0].request_id}: {failed[1]}")
+        return sorted(self._serve(checked, None), key=lambda out: out.request_id)
 
     # -- streaming -----------------------------------------------------------------------------------
     def stream(self, requests: Iterable[Request], window: int | None = None,
@@ -203,44 +187,41 @@ class LLM:
         At most `window` requests (default 2 * max_num_seqs) are in the engine at once: the next request
         is pulled from `requests` and tokenized only when one leaves, so memory is bounded by the window
         whatever the length of `requests`. A request that cannot run yields an error result at once."""
+        return self._serve((self._checked(request, chat_template_kwargs) for request in requests), window)
+
+    def _serve(self, checked: Iterable[tuple[Request, list[int] | None, str | None]],
+               window: int | None) -> Iterator[RequestOutput]:
+        """Queue each checked request (an error result for one that cannot run) while fewer than `window`
+        are in the engine, stepping it meanwhile; yield the outputs as their requests finish."""
         window = window or 2 * self.engine.scheduler.max_num_seqs
         if self._abandoned:  # finish what an abandoned stream left queued; its results are dropped
             for _ in self.engine.run():
                 pass
-        live: dict[str, Request] = {}  # the engine's request id (unique in this stream) -> request
-        samples: dict[str, list] = {}  # the finished samples of the live requests
+            self._outputs.clear()
         self._abandoned = True
-        for n, request in enumerate(requests):
-            result = self._admit(request, str(n), chat_template_kwargs)
-            if result is not None:
-                yield result
+        self.engine.stats.restart_clock()  # time the generate loop, not the set-up before it
+        for n, (request, token_ids, error) in enumerate(checked):
+            if error:
+                yield RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=error)
                 continue
-            live[str(n)] = request
-            while len(live) >= window:
-                yield from self._results(self.engine.step(), live, samples)
-        yield from self._results(self.engine.run(), live, samples)
+            self.engine.add_request(str(n), token_ids, self._sampling(request))
+            self._outputs.expect(str(n), request.request_id, request.prompt)
+            while self._outputs.num_pending >= window:
+                yield from self._outputs.outputs(self.engine.step())
+        yield from self._outputs.outputs(self.engine.run())
         self._abandoned = False
 
-    def _results(self, finished: Iterable, live: dict[str, Request],
-                 samples: dict[str, list]) -> Iterator[RequestOutput]:
-        """The results of the requests whose last sample is among the `finished` sequences."""
-        for seq in finished:
-            done = samples.setdefault(seq.request_id, [])
-            done.append(seq)
-            if len(done) == self._sampling(live[seq.request_id]).n:
-                del samples[seq.request_id]
-                yield self._result(live.pop(seq.request_id), sorted(done, key=lambda s: s.sample_index))
-
-    def _admit(self, request: Request, key: str, chat_template_kwargs) -> RequestOutput | None:
-        """Tokenize the request and queue it under `key`; its error result if it cannot run."""
+    def _checked(self, request: Request, chat_template_kwargs) -> tuple[Request, list[int] | None, str | None]:
+        """(request, its prompt's token ids, None) when it can run, else (request, None, why not): the one
+        check of a request (its prompt, its token ids against the vocabulary, the engine's limits)."""
         try:
             if request.error:
                 raise RequestError(request.error)
             token_ids = self._token_ids(request, chat_template_kwargs)
-            self.engine.add_request(key, token_ids, self._sampling(request))
-            return None
+            self.engine.check_request(len(token_ids), self._sampling(request))
+            return request, token_ids, None
         except RequestError as err:
-            return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=str(err))
+            return request, None, str(err)
 
     def _sampling(self, request: Request) -> SamplingParams:
         return request.sampling_params or self.default_sampling
@@ -248,10 +229,9 @@ class LLM:
     def _token_ids(self, request: Request, chat_template_kwargs) -> list[int]:
         """The request's prompt as token ids, each checked to be in the vocabulary; RequestError if not."""
         token_ids = self._tokenize(request, chat_template_kwargs)
-        vocab_size = self.engine.model.arch.vocab_size
-        tokenized = request.prompt_token_ids is None  # ints from the tokenizer: their range checked in C
-        if tokenized and (not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)):
-            return token_ids
+        vocab_size = self.vocab_size
+        if token_ids and set(map(type, token_ids)) == {int} and min(token_ids) >= 0 and max(token_ids) < vocab_size:
+            return token_ids  # the common case, checked in C: no Python step per token
         outside = next((i for i, t in enumerate(token_ids) if not (_is_token_id(t) and 0 <= t < vocab_size)), None)
         if outside is not None:
             raise RequestError(f"token id {token_ids[outside]!r} at position {outside} is not in the vocabulary "
@@ -274,30 +254,13 @@ class LLM:
             raise RequestError("prompt is empty")
         return self.tokenizer.encode(request.prompt, add_special_tokens=False)
 
-    def _result(self, request: Request, samples: list) -> RequestOutput:
-        completions = [CompletionOutput(seq.sample_index, self._text(seq), list(seq.output_token_ids),
-                                        seq.finish_reason, output_logprobs(seq), seq.stop_reason) for seq in samples]
-        first = samples[0]
-        return RequestOutput(request.request_id, request.prompt, first.prompt_token_ids, completions,
-                             prompt_logprobs=prompt_logprobs(first))
-
-    def _text(self, seq) -> str:
-        """The output text: cut at the stop string that ended it, else the tokens decoded, without the
-        stop token (EOS or a stop id) that ended it unless include_stop_str_in_output (as vLLM)."""
-        if seq.output_text is not None:
-            return seq.output_text
-        ids = seq.output_token_ids
-        if seq.finish_reason == "stop" and not seq.sampling.include_stop_str_in_output:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
 
 def check_run_sampling(engine: LLMEngine, sampling: SamplingParams) -> None:
     """ConfigError naming sampling.<field> when the run's sampling values are beyond what this engine can
     run (logprobs or prompt_logprobs over its vocabulary or the sampler's maximum): no row that keeps them
     could run, so the job stops before any work rather than make every row an error. The engine's request
-    check is asked about a one-token prompt, which every other limit admits (validate and check_pool ensure
-    max_model_len >= 2 and a pool that holds a sequence of max_model_len), so what it rejects is the
+    check is asked about a one-token prompt, which every other limit admits (validate and the pool's sizing
+    ensure max_model_len >= 2 and a pool that holds a sequence of max_model_len), so what it rejects is the
     sampling values."""
     try:
         engine.check_request(1, sampling)
@@ -376,25 +339,3 @@ def check_messages(messages) -> None:
                 raise RequestError(f"messages[{i}] has no {key}")
             if not isinstance(message[key], str):
                 raise RequestError(f"messages[{i}].{key} must be a string, got {message[key]!r}")
-
-
-def _logprob_dicts(token_ids, logprobs, tops) -> list[dict[int, Logprob] | None]:
-    """Per position: {its token: Logprob, the k most likely tokens: theirs, by rank}; None where the
-    logprob is None (the first prompt token)."""
-    positions = []
-    for token, logprob, top in zip(token_ids, logprobs, tops or [None] * len(logprobs)):
-        ranked = {t: Logprob(value, rank) for rank, (t, value) in enumerate(top or (), 1)}
-        positions.append(None if logprob is None else {token: ranked.get(token, Logprob(logprob)), **ranked})
-    return positions
-
-
-def output_logprobs(seq) -> Logprobs | None:
-    if seq.sampling.logprobs is None:
-        return None
-    return _logprob_dicts(seq.output_token_ids, seq.output_logprobs, seq.top_logprobs)
-
-
-def prompt_logprobs(seq) -> list[dict[int, Logprob] | None] | None:
-    if seq.sampling.prompt_logprobs is None:
-        return None
-    return _logprob_dicts(seq.prompt_token_ids, seq.prompt_logprobs, seq.prompt_top_logprobs)

@@ -32,7 +32,7 @@ from engine.staging import upload, upload_rows
 from engine.watchdog import StepInputs
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
-_SEQ_ID, _COMPUTED, _SAMPLING = attrgetter("seq_id"), attrgetter("num_computed_tokens"), attrgetter("sampling")
+_SEQ_ID, _SAMPLING = attrgetter("seq_id"), attrgetter("sampling")
 
 
 class ModelRunner:
@@ -55,18 +55,18 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return upload(array, self.device)
 
-    def prepare(self, batch: ScheduledBatch, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                                           torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch, starts: np.ndarray, tables: np.ndarray, seq_lens: np.ndarray
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """input_ids [T], positions [T], attention metadata, and the rows whose logits are sampled (the
-        last row of each sequence that draws); starts: int64 [S], the tokens each sequence has computed."""
+        last row of each sequence that draws); starts: int64 [S], the tokens each sequence had computed
+        before the step; tables int32 [S, M] and seq_lens int32 [S]: its block tables and lengths with the
+        step's tokens (KVBlockManager.block_tables_and_seq_lens), copied to the device once each part."""
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         positions = new_token_positions(starts, counts)
         n = batch.num_decode_seqs
         input_ids = np.concatenate([np.array([s.last_token for s in batch.seqs[:n]], dtype=np.int64)] + [
             s.token_slice(a, a + c) for s, a, c in zip(batch.seqs[n:], starts[n:].tolist(), counts[n:].tolist())])
-        tables = self.block_manager.get_block_table_tensor(list(map(_SEQ_ID, batch.seqs))).numpy()
-        seq_lens = (starts + counts).astype(np.int32)
         prefill = None
         if n < len(batch.seqs):
             prefill = PrefillMetadata(self._to_device(tables[n:]), self._to_device(seq_lens[n:]),
@@ -104,13 +104,14 @@ class ModelRunner:
         """Enqueue the batch's forward and sampling without waiting for the device; None when no sequence
         draws a token in this step. Tokens that are still placeholders on the host come from the previous
         step's device output. step: the engine's number for it (the watchdog's reports)."""
-        starts = np.fromiter(map(_COMPUTED, batch.seqs), np.int64, len(batch.seqs))
-        input_ids, positions, meta, sampled_rows = self.prepare(batch, starts)
+        tables, seq_lens = self.block_manager.block_tables_and_seq_lens(list(map(_SEQ_ID, batch.seqs)))
+        starts = seq_lens - np.array(batch.num_new_tokens, dtype=np.int64)  # int64 [S]
+        input_ids, positions, meta, sampled_rows = self.prepare(batch, starts, tables, seq_lens)
         if previous is not None:
             self._fill_placeholders(batch, input_ids, previous)
         hidden = self.forward(input_ids, positions, meta)
         drawing, logit_rows = self._fork(list(compress(batch.seqs, batch.draws)), batch.forks)
-        segments = self._prompt_segments(batch, len(drawing))
+        segments = self._prompt_segments(batch, starts, len(drawing))
         if not drawing and not segments:  # only prefill chunks that end before their prompt does
             return None
         logits = self.model.compute_logits(hidden[sampled_rows])
@@ -147,16 +148,17 @@ class ModelRunner:
         return drawing + children, self._to_device(np.array(rows, dtype=np.int64))
 
     @staticmethod
-    def _prompt_segments(batch: ScheduledBatch, num_drawing: int) -> list[PromptSegment]:
+    def _prompt_segments(batch: ScheduledBatch, starts: np.ndarray, num_drawing: int) -> list[PromptSegment]:
         """The rows of the step's prefill chunks that score prompt tokens, for sequences that ask for
-        prompt_logprobs; a chunk at position 0 has a segment even without rows (the first token's
-        None). Segment rows follow the drawing sequences' rows in the step's logprobs."""
+        prompt_logprobs (starts: where each chunk begins); a chunk at position 0 has a segment even
+        without rows (the first token's None). Segment rows follow the drawing sequences' rows in the
+        step's logprobs."""
         asking = [i for i in range(batch.num_decode_seqs, len(batch.seqs))
                   if batch.seqs[i].sampling.prompt_logprobs is not None]
         segments, row = [], num_drawing
         batch_rows = np.cumsum([0] + batch.num_new_tokens[:-1]).tolist() if asking else []
         for i in asking:
-            seq, start = batch.seqs[i], batch.seqs[i].num_computed_tokens
+            seq, start = batch.seqs[i], int(starts[i])
             length = max(min(start + batch.num_new_tokens[i], len(seq.prompt_token_ids) - 1) - start, 0)
             if length > 0 or start == 0:
                 segments.append(PromptSegment(seq, start, row, length, batch_rows[i]))
@@ -237,7 +239,7 @@ def kv_bytes_left(model: DecoderForCausalLM, device, utilization: float, max_tok
     num_seqs = min(max_seqs, max_tokens)
     counts = np.full(num_seqs, max_tokens // num_seqs)
     counts[: max_tokens % num_seqs] += 1
-    warm_cache = PagedKVCache(model.kv_cache_spec, max_tokens, 1, model.lm_head.weight.dtype, device)  # slot = block
+    warm_cache = PagedKVCache(model.kv_cache_spec, max_tokens, 1, model.dtype, device)  # slot = block
     cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     slots = torch.arange(max_tokens, dtype=torch.int32, device=device)
     tables = torch.full((num_seqs, int(counts.max())), -1, dtype=torch.int32, device=device)

@@ -34,12 +34,6 @@ def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def scores_prompt(seq: Sequence) -> bool:
-    """Whether seq still needs logits at its prompt positions (prompt_logprobs asked, not all filled):
-    such a sequence must not take blocks from the prefix cache, whose positions are never computed."""
-    return seq.sampling.prompt_logprobs is not None and len(seq.prompt_logprobs) < len(seq.prompt_token_ids)
-
-
 @dataclass
 class Penalties:
     """The penalised rows of a batch (device tensors [R]); their tokens are TokenHistory rows `slots`."""

@@ -13,10 +13,13 @@ While sequences decode, new ones are admitted a batch at a time: only once admis
 prefill chunks cannot replay a decode CUDA graph, and its eager forward costs the host ~20 ms whatever
 its size (H200, Qwen3-0.6B: benchmarks/NOTES.md), so one such step for many admissions beats one for each.
 
+A sequence's tokens count as computed once their slots are allocated (Sequence.num_computed_tokens
+reads the block manager's sequence_length), so a batch's rows are past their chunks when it is built.
+
 Admission: a waiting sequence takes the longest run of its full blocks that the prefix cache holds
-(never its last token, whose logits are needed), and is admitted when the rest of it fits in the free
-blocks (cached blocks count as free), the budget has room for (a chunk of) it and fewer than
-max_num_seqs sequences run. When a decoding sequence needs a block and none is free, the newest running
+(never its last token, whose logits are needed: KVBlockManager.cached_prefix), and is admitted when
+the rest of it fits in the free blocks (cached blocks count as free), the budget has room for (a chunk
+of) it and fewer than max_num_seqs sequences run. When a decoding sequence needs a block and none is free, the newest running
 sequence is preempted by recompute: its blocks are released (those holding a hash stay cached, so the
 recompute usually hits them) and it waits, first in line, to be prefilled again from its prompt and the
 outputs it already has. A step that preempted admits nothing, so a victim is not re-admitted at once.
@@ -40,7 +43,7 @@ from engine.sequence import Sequence, Status
 @dataclass
 class Fork:
     """Samples forked from `parent` in a step that computes the parent's last prompt chunk: they are
-    running, with num_computed_tokens = its prompt length, and draw their first token from its logits.
+    running, their block tables holding its prompt, and draw their first token from its logits.
     copies: (parent's block, child's block) for the partial last block, to copy on the device after
     the step's forward has written it."""
 
@@ -62,10 +65,10 @@ class ScheduledBatch:
     draws: list[bool] = field(init=False)
 
     def __post_init__(self):
-        # which sequences draw a token in this step: their chunk reaches their last token (every decode row's does)
-        self.draws = [True] * self.num_decode_seqs + [
-            n == s.num_uncomputed_tokens for s, n in zip(self.seqs[self.num_decode_seqs:],
-                                                        self.num_new_tokens[self.num_decode_seqs:])]
+        # which sequences draw a token in this step: those whose chunk (computed once allocated) reaches their
+        # last token, as every decode row's does
+        self.draws = [True] * self.num_decode_seqs + [s.num_uncomputed_tokens == 0
+                                                      for s in self.seqs[self.num_decode_seqs:]]
 
     @property
     def num_tokens(self) -> int:
@@ -141,7 +144,7 @@ class Scheduler:
                 self.add_first(children)
                 continue
             for child in children:
-                child.status, child.num_computed_tokens = Status.RUNNING, len(seq.prompt_token_ids)
+                child.status, child.block_state = Status.RUNNING, self.block_manager.state(child.seq_id)
                 self.running.append(child)
             forks.append(Fork(seq, children, copies))
         return forks
@@ -184,8 +187,7 @@ class Scheduler:
             pending = [s for s in pending[fit:] if s is not victim]
         slots = _concat(slots)
         if self.order_decodes_by_prefix and len(scheduled) > 1:  # after allocating, which must go oldest first
-            states = manager.sequences
-            order = np.argsort([states[s.seq_id].block_table[0] for s in scheduled], kind="stable")
+            order = np.argsort([s.block_state.block_table[0] for s in scheduled], kind="stable")
             scheduled, slots = [scheduled[i] for i in order.tolist()], slots[order]
         return scheduled, [1] * len(scheduled), [slots]
 
@@ -209,11 +211,10 @@ class Scheduler:
             return hits, admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = manager.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // manager.block_size])
+            prefix = manager.cached_prefix(seq)
             if not manager.can_admit(seq.num_tokens, prefix):
                 break
-            manager.create_sequence(seq.seq_id, prefix)
-            seq.num_computed_tokens = len(prefix) * manager.block_size
+            seq.block_state = manager.create_sequence(seq.seq_id, prefix)
             hits += seq.num_computed_tokens
             admitted += seq.num_tokens
             seq.status = Status.RUNNING
@@ -230,7 +231,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.release_sequence(seq.seq_id)
-        seq.status, seq.num_computed_tokens = Status.WAITING, 0
+        seq.status, seq.block_state = Status.WAITING, None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -242,7 +243,7 @@ class Scheduler:
             self.block_manager.release_sequence(seq.seq_id)
         else:
             self.waiting.remove(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        seq.status, seq.block_state, seq.finish_reason = Status.FINISHED, None, reason
 
 
 def _concat(slots: list[np.ndarray]) -> np.ndarray:

@@ -1,8 +1,11 @@
 """Request-level state: what a sequence asks for (SamplingParams) and how far it has got (Sequence).
 
 The block-level state of a live sequence (its length in stored tokens and its block table) is the
-block manager's SequenceState; a Sequence here tracks tokens: the prompt, the outputs so far and how
-many of them already have K/V in the cache (num_computed_tokens).
+block manager's SequenceState; a Sequence here tracks tokens: the prompt and the outputs so far. How many
+of them have K/V in the cache is the block manager's count, which num_computed_tokens reads through
+block_state: the SequenceState of a running sequence, None while it waits and once it has finished. A
+step's tokens count as computed once the scheduler has allocated their slots, before the device writes
+them: steps run in stream order, so every later step reads them.
 
 The engine runs one step ahead of the host: a sampled token is known on the device before the host
 reads it, so the newest output may be PLACEHOLDER until the step that drew it is resolved. At most the
@@ -19,6 +22,7 @@ from enum import Enum
 from ops.sampling_reference import mix32
 
 if typing.TYPE_CHECKING:
+    from engine.block_manager import SequenceState
     from engine.detokenizer import IncrementalDetokenizer
 
 
@@ -172,7 +176,7 @@ class Sequence:
     sampling: SamplingParams
     max_num_tokens: int  # prompt + outputs at most: min(prompt + max_tokens, max_model_len)
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_state: "SequenceState | None" = None  # the block manager's, while running (set by the scheduler)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length
     num_preemptions: int = 0
@@ -193,8 +197,20 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V slots are allocated: block_state.sequence_length, 0 while waiting."""
+        state = self.block_state
+        return 0 if state is None else state.sequence_length
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether it still needs logits at its prompt positions (prompt_logprobs asked, not all filled):
+        such a sequence must not take blocks from the prefix cache, whose positions are never computed."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def is_capped(self) -> bool:

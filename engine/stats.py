@@ -34,7 +34,7 @@ Per run (StatsRecorder.summary), from the steps:
 """
 import bisect
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
@@ -110,6 +110,12 @@ def _peak(values) -> float:
     return float(max(values, default=0.0))
 
 
+def steps_table(steps: list[StepStats]) -> pa.Table:
+    """steps.parquet: one row per step, with its schema even when there is no step (built a column at a
+    time: a long run's steps as dicts would be the largest thing the job ever holds)."""
+    return pa.table({f.name: [getattr(s, f.name) for s in steps] for f in STEPS_SCHEMA}, schema=STEPS_SCHEMA)
+
+
 class StatsRecorder:
     def __init__(self):
         self.steps: list[StepStats] = []
@@ -127,14 +133,6 @@ class StatsRecorder:
 
     def add(self, stats: StepStats) -> None:
         self.steps.append(stats)
-
-    def rows(self) -> list[dict]:
-        return [asdict(s) for s in self.steps]
-
-    def table(self) -> pa.Table:
-        """steps.parquet: one row per step, with its schema even when there is no step (built a column at a
-        time: a long run's steps as dicts would be the largest thing the job ever holds)."""
-        return pa.table({f.name: [getattr(s, f.name) for s in self.steps] for f in STEPS_SCHEMA}, schema=STEPS_SCHEMA)
 
     def summary(self, num_blocks: int, block_size: int, max_model_len: int) -> dict:
         """Run-level figures from the steps (the config part of summary.parquet is added by the job)."""
@@ -170,7 +168,7 @@ class StatsRecorder:
 
 @dataclass(frozen=True)
 class FloorModel:
-    """The model's numbers that the floor needs (jobs/bench.py counts them on the built model)."""
+    """The model's numbers that the floor needs (floor_model counts them on the built model)."""
 
     nonembed_params: int  # N: every parameter but the token embedding and the lm_head (norms included)
     lm_head_params: int  # vocab * hidden, also when tied to the embedding: the logits' matmul happens anyway
@@ -179,6 +177,15 @@ class FloorModel:
     num_layers: int
     num_q_heads: int
     head_dim: int
+
+
+def floor_model(model, kv_bytes_per_token: int) -> FloorModel:
+    """The FloorModel of a built DecoderForCausalLM: its weights as the model counts them
+    (weight_footprint), its shape, and the KV cache's bytes per token."""
+    weights, arch = model.weight_footprint(), model.arch
+    return FloorModel(nonembed_params=weights.nonembed_params, lm_head_params=weights.lm_head_params,
+                      weight_bytes_per_step=weights.bytes_per_step, kv_bytes_per_token=kv_bytes_per_token,
+                      num_layers=arch.num_hidden_layers, num_q_heads=arch.num_attention_heads, head_dim=arch.head_dim)
 
 
 def _triangle(n):

@@ -2,7 +2,7 @@
 ChatML-like chat template."""
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.models.loader import resolve_model_path
 
 ENDOFTEXT = "<|endoftext|>"

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import UserError
+from engine.errors import UserError
 
 if typing.TYPE_CHECKING:
     from engine.sampler import SamplingTensors

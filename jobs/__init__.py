@@ -1,5 +1,5 @@
 """Batch jobs run by `python -m engine.run job=<name>`: each module has run(cfg)."""
-from engine.config import UserError
+from engine.errors import UserError
 
 
 class JobError(UserError):

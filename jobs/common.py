@@ -1,23 +1,25 @@
-"""What every generating job does: hold its run directory, drive the engine with a progress bar, then write
+"""What every generating job does: hold its run directory, show a progress bar, count its rows, then write
 steps.parquet and summary.parquet in the run directory."""
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from tqdm import tqdm
 
-from engine.engine import LLMEngine
-from engine.sequence import Sequence
+from engine.llm import EngineSettings
 from jobs import JobError
 from jobs.parquet import OutputError, write_atomic
+from jobs.processor import Run
 
 log = logging.getLogger("minipaged")
 LOCK_NAME = ".minipaged.lock"
@@ -111,42 +113,46 @@ class Progress:
         self.bar.close()
 
 
-def drive(engine: LLMEngine, total: int, on_finish: Callable[[Sequence], None]) -> int:
-    """Run the engine to completion; on_finish sees each sequence as it finishes. Returns output tokens."""
-    engine.stats.restart_clock()  # time the generate loop, not the set-up before it
-    progress = Progress(total)
+@contextlib.contextmanager
+def signal_handlers(handlers: dict) -> Iterator[None]:
+    """While inside, these {signal: handler} are installed, then the ones before are put back (None, a
+    handler set outside Python: the default). Off the main thread a plain block: Python installs handlers,
+    and runs them, in the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
-        for seq in engine.run():
-            on_finish(seq)
-            progress.finished(len(seq.output_token_ids))
+        yield
     finally:
-        progress.close()
-    return progress.output_tokens
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
-def run_summary(engine: LLMEngine, cfg, num_requests: int, num_errors: int, prompt_tokens: int, output_tokens: int) -> dict:
-    """One row of summary.parquet: the config that matters, then the run's figures (engine/stats.py)."""
-    stats = engine.stats.summary(engine.num_blocks, engine.block_size, engine.max_model_len)
-    wall = stats["wall_time_s"]
-    return {
-        "job": cfg.job.name, "model": cfg.model.name, "model_path": cfg.model.path or "",
-        "dtype": str(engine.dtype).removeprefix("torch."), "device": engine.device.type,
-        "device_name": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
-        "block_size": engine.block_size, "num_blocks": engine.num_blocks,
-        "kv_slots": engine.num_blocks * engine.block_size, "kv_budget_bytes": engine.kv_cache.bytes,
-        "max_model_len": engine.max_model_len, "max_num_seqs": engine.scheduler.max_num_seqs,
-        "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens,
-        "num_requests": num_requests, "num_errors": num_errors,
-        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-        **stats,
-        "sampler_fallbacks": engine.sampler_fallbacks,
-        "output_tok_per_s": output_tokens / wall if wall else 0.0,
-        "total_tok_per_s": (prompt_tokens + output_tokens) / wall if wall else 0.0,
-    }
+def new_counts() -> dict:
+    return {"num_requests": 0, "num_errors": 0, "prompt_tokens": 0, "output_tokens": 0}
 
 
-def write_run_stats(engine: LLMEngine, cfg, directory: Path, summary: dict) -> None:
-    write_stats(engine.stats.table(), cfg, directory, summary)
+def tally(counts: dict, rows: list[dict]) -> int:
+    """Add the output rows of one request (one per sample, or one error row) to the counts of
+    summary.parquet; returns its output tokens. prompt_tokens counts a prompt once, whatever its n."""
+    output_tokens = sum(row["output_tokens"] for row in rows)
+    counts["num_errors" if rows[0]["finish_reason"] == "error" else "num_requests"] += 1
+    counts["prompt_tokens"] += rows[0].get("prompt_tokens") or 0
+    counts["output_tokens"] += output_tokens
+    return output_tokens
+
+
+def summary_row(job: str, run: Run, counts: dict) -> dict:
+    """One row of summary.parquet: the job, the engine's settings, the counts, the run's figures, then the
+    throughput over its wall time."""
+    settings = [f.name for f in dataclasses.fields(EngineSettings)]
+    wall = run.summary["wall_time_s"]
+    tokens = counts["prompt_tokens"] + counts["output_tokens"]
+    return {"job": job, **{key: run.summary[key] for key in settings}, **counts,
+            **{key: value for key, value in run.summary.items() if key not in settings},
+            "output_tok_per_s": counts["output_tokens"] / wall if wall else 0.0,
+            "total_tok_per_s": tokens / wall if wall else 0.0}
 
 
 def write_stats(steps: pa.Table, cfg, directory: Path, summary: dict) -> None:

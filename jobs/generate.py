@@ -23,9 +23,7 @@ steps.parquet and summary.parquet describe the run that wrote them: the rows it 
 with resumed_rows counting the rows taken from earlier runs; a run with nothing left to compute leaves
 them as they are.
 """
-import contextlib
 import dataclasses
-import importlib
 import logging
 import signal
 from collections.abc import Callable, Iterator
@@ -35,17 +33,18 @@ import pyarrow as pa
 import torch
 from omegaconf import OmegaConf
 
-from engine.config import ConfigError
-from engine.engine import RequestError
-from engine.llm import LLM, Request, RequestOutput, default_sampling  # noqa: F401 (default_sampling: for the bench)
+from engine.errors import ConfigError, RequestError
+from engine.llm import LLM, Request, RequestOutput
 from engine.sequence import SamplingParams
 from engine.tokenizer import load_tokenizer
 from jobs import JobError, first_line
-from jobs.common import Progress, run_dir, run_lock, run_summary, write_run_stats
+from jobs.common import new_counts, run_dir, run_lock, signal_handlers, summary_row, tally, write_stats
+from jobs.executors import execute
 from jobs.inputs import (CHAT_URL, Columns, InputFiles, body_message, check_ids, input_rows, openai_sampling,
                          plan_columns)
 from jobs.parquet import OutputError
-from jobs.results import ResultWriter, generations_schema, model_fingerprint, output_names
+from jobs.processor import Processor
+from jobs.results import PART_SCHEMA, ResultWriter, generations_schema, model_fingerprint, output_names
 
 log = logging.getLogger("minipaged")
 SAMPLE_INPUT = Path(__file__).with_name("sample_prompts.parquet")
@@ -165,35 +164,26 @@ def open_input(job) -> tuple[InputFiles, Columns, pa.DataType]:
     return source, columns, check_ids(source, columns.id)
 
 
-def generate(llm: LLM, requests: Iterator[Request], writer: ResultWriter, total: int,
-             chat_template_kwargs: dict | None = None) -> dict:
-    """Run the requests, handing each request's result rows to the writer; returns the counts of
-    summary.parquet (prompt_tokens counts a prompt once, whatever its n)."""
-    counts = new_counts()
-    llm.engine.stats.restart_clock()  # time the generate loop, not the set-up before it
-    progress = Progress(total)
-    try:
-        for out in llm.stream(requests, chat_template_kwargs=chat_template_kwargs):
-            rows = result_rows(out)
-            writer.add(*rows)
-            progress.finished(tally(counts, rows))
-    finally:
-        progress.close()
-    return counts
+class GenerateProcessor(Processor):
+    """job=generate's rows and results: an input row (row number, jobs.inputs.input_rows' fields) becomes a
+    request (to_request), a result its part rows (result_rows, jobs.results.PART_SCHEMA)."""
 
+    output_schema = PART_SCHEMA
 
-def new_counts() -> dict:
-    return {"num_requests": 0, "num_errors": 0, "prompt_tokens": 0, "output_tokens": 0}
+    def __init__(self, job, columns: Columns):
+        self.job, self.columns = job, columns
+        self.chat_template_kwargs = chat_kwargs(job)
+        self.defaults: SamplingParams | None = None
 
+    def setup(self, llm: LLM) -> None:
+        check_chat_input(self.job, self.columns, llm.check_chat_template)
+        self.defaults = llm.default_sampling
 
-def tally(counts: dict, rows: list[dict]) -> int:
-    """Add the result rows of one input row (result_rows) to the counts of summary.parquet; returns its
-    output tokens. prompt_tokens counts a prompt once, whatever its n."""
-    output_tokens = sum(row["output_tokens"] for row in rows)
-    counts["num_errors" if rows[0]["finish_reason"] == "error" else "num_requests"] += 1
-    counts["prompt_tokens"] += rows[0].get("prompt_tokens") or 0
-    counts["output_tokens"] += output_tokens
-    return output_tokens
+    def preprocess(self, key: int, fields: dict) -> Request:
+        return to_request(key, fields, self.defaults, self.job.chat_template)
+
+    def postprocess(self, out: RequestOutput) -> list[dict]:
+        return result_rows(out)
 
 
 def generate_job(cfg, directory: Path) -> None:
@@ -211,8 +201,6 @@ def generate_job(cfg, directory: Path) -> None:
                 log.info("resuming: %d of %d rows already written in %s; computing the other %d",
                          writer.resumed, source.num_rows, writer.parts_dir, todo)
             if todo:
-                compute = run_local if cfg.executor.name == "local" else \
-                    importlib.import_module("jobs.ray_executor").run_generate  # Ray only where asked for
                 compute(cfg, source, columns, writer, directory)
             else:
                 log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")
@@ -246,19 +234,21 @@ def generate_job(cfg, directory: Path) -> None:
     log.info("wrote %s: %d rows", final, source.num_rows)
 
 
-def run_local(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, directory: Path) -> None:
-    """executor=local: the rows not saved yet through one engine in this process, then steps.parquet and
-    summary.parquet."""
-    job = cfg.job
-    llm = LLM.from_config(cfg, run_dir=directory)
-    check_chat_input(job, columns, llm.check_chat_template)
-    requests = (to_request(row, fields, llm.default_sampling, job.chat_template)
-                for row, fields in pending_rows(source, columns, writer))
-    counts = generate(llm, requests, writer, source.num_rows - writer.resumed, chat_kwargs(job))
+def compute(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, directory: Path) -> None:
+    """The rows no earlier run saved, through the executor, each row's results to the writer once; then
+    steps.parquet and summary.parquet."""
+    counts = new_counts()
+
+    def take(rows: list[dict]) -> int:
+        writer.add(*rows)
+        return tally(counts, rows)
+
+    run = execute(cfg, GenerateProcessor(cfg.job, columns), pending_rows(source, columns, writer),
+                  source.num_rows - writer.resumed, take, directory)
     writer.flush()  # every row saved before the stats: a kill from here on loses no work
-    summary = run_summary(llm.engine, cfg, **counts)
+    summary = summary_row(cfg.job.name, run, counts)
     summary["resumed_rows"] = writer.resumed
-    write_run_stats(llm.engine, cfg, directory, summary)
+    write_stats(run.steps, cfg, directory, summary)
 
 
 def pending_rows(source: InputFiles, columns: Columns, writer: ResultWriter) -> Iterator[tuple[int, dict]]:
@@ -292,7 +282,6 @@ def run(cfg) -> None:
     generate_job(cfg, run_dir())
 
 
-@contextlib.contextmanager
 def _signals_interrupt():
     """While inside: SIGINT raises KeyboardInterrupt and SIGTERM _Terminated (a KeyboardInterrupt), so both
     stop the job after saving what finished, also where the job was started with SIGINT ignored (a
@@ -300,17 +289,7 @@ def _signals_interrupt():
     def terminated(signum, frame):
         raise _Terminated()
 
-    handlers = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: terminated}
-    try:
-        previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return signal_handlers({signal.SIGINT: signal.default_int_handler, signal.SIGTERM: terminated})
 
 
 def _save(writer: ResultWriter | None) -> None:

@@ -1,15 +1,15 @@
 """executor=ray: one job over several engines, each in a Ray actor, the rows spread over them by Ray Data.
 
-Driver (this process). The input rows that no earlier run saved (jobs.generate.pending_rows: the same
-resume as executor=local) go to Ray's object store in blocks of BATCH_ROWS rows (row number, the row's
-fields pickled). Ray Data's map_batches hands them, executor.batch_size rows at a time (fewer when the
-rows would not give every engine one batch), to a pool of executor.num_engines actors holding
+Driver (this process). The job's rows (key, fields) (job=generate: the input rows that no earlier run
+saved, the same resume as executor=local; job=bench: request numbers of its workload, which every engine
+draws alike) go to Ray's object store in blocks (the key, the fields pickled). Ray Data's map_batches
+hands them, executor.batch_size rows at a time (fewer when the rows would not give every engine one
+batch), to a pool of executor.num_engines actors holding
 executor.gpus_per_engine GPUs each. An actor builds one engine with the Python API (engine.LLM on the
-job's config) and runs each batch to completion through LLM.stream; it returns the batch's result rows
-(jobs.results.PART_SCHEMA; a row that cannot run stays an error row). The driver takes the output stream
-and hands the rows to the job's ResultWriter, as executor=local does: generations.parquet, its parts and
-resuming are the same. `job=bench` hands each engine row numbers of the synthetic workload instead, which
-every engine draws alike (jobs.bench.workload).
+job's config), hands it to the job's Processor (jobs/processor.py: setup), and runs each batch to
+completion through LLM.stream, the Processor turning rows into requests and results into output rows (a
+row that cannot run stays an error row). The driver takes the output stream and hands each request's rows
+to the job (`take`), as executor=local does: generations.parquet, its parts and resuming are the same.
 
 Faults. An actor that dies (a crash, out of memory, ray.kill) is restarted by Ray (max_restarts=-1) and
 the batch it was running is run again (max_task_retries=-1). A batch's rows come back together, and the
@@ -42,27 +42,21 @@ import pickle
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
-from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import ray
 import ray.data
 import torch
 from ray.data import ActorPoolStrategy, DataContext
 
-from engine.config import ConfigError, UserError
-from engine.llm import LLM, Request
+from engine.errors import ConfigError, UserError
+from engine.llm import LLM
 from engine.stats import STEPS_SCHEMA, StatsRecorder, StepStats
-from jobs import JobError
-from jobs.bench import shape, workload
-from jobs.common import Progress, run_dir, run_summary, write_stats
-from jobs.generate import (chat_kwargs, check_chat_input, default_sampling, new_counts, pending_rows,
-                           result_rows, tally, to_request)
-from jobs.inputs import Columns, InputFiles
-from jobs.results import PART_SCHEMA, ResultWriter
+from jobs.common import Progress
+from jobs.config import engine_config_of
+from jobs.processor import Processor, Rows, Run
 
 log = logging.getLogger("minipaged")
 ENGINES_READY_TIMEOUT_S = 3600  # the pool's actors must all be built by then (model loads included)
@@ -86,68 +80,33 @@ while chunk := os.read(0, 1 << 16):
 
 # -- the engines (Ray actors) -------------------------------------------------------------------------
 class Engine:
-    """One engine in a Ray actor: map_batches' callable class. Once built it registers with the collector;
-    after each batch it reports its new steps (step_time_s leaves out the waits between batches).
-    Subclasses prepare in setup() and turn a batch into output rows in run()."""
+    """One engine in a Ray actor: map_batches' callable class, running the job's Processor. Once built it
+    registers with the collector; after each batch it reports its new steps (step_time_s leaves out the
+    waits between batches) and its sampler's fallbacks so far."""
 
-    def __init__(self, cfg, collector, *args):
+    def __init__(self, cfg, collector, processor: Processor):
         constructed = time.time()
         try:
-            self.llm = LLM.from_config(cfg)
-            self.setup(cfg, *args)
+            self.llm = LLM.from_config(engine_config_of(cfg))
+            processor.setup(self.llm)
         except UserError as err:  # raised from the first batch: Ray keeps a task's exception, not a constructor's
             self.failed = err
             return
-        self.failed, self.collector, self.reported = None, collector, 0
-        settings = run_summary(self.llm.engine, cfg, 0, 0, 0, 0)  # the config part of summary.parquet
+        self.failed, self.collector, self.processor, self.reported = None, collector, processor, 0
         me = ray.get_runtime_context().current_actor
-        self.index = ray.get(collector.register.remote(me, settings, constructed, time.time()))
-
-    def setup(self, cfg, *args) -> None:
-        pass
-
-    def run(self, batch: pa.Table) -> pa.Table:
-        raise NotImplementedError
+        self.index = ray.get(collector.register.remote(me, asdict(self.llm.settings()), constructed, time.time()))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         if self.failed:
             raise self.failed
-        self.llm.engine.stats.restart_clock()
-        out = self.run(batch)
-        steps = self.llm.engine.stats.steps[self.reported:]
-        self.reported += len(steps)
-        table = pa.Table.from_pylist([asdict(s) for s in steps], schema=STEPS_SCHEMA)
-        ray.get(self.collector.add_steps.remote(self.index, table, time.time()))
-        return out
-
-
-class GenerateEngine(Engine):
-    """job=generate: a batch of (row, pickled fields) in, its result rows (PART_SCHEMA) out."""
-
-    def setup(self, cfg, columns: Columns) -> None:
-        check_chat_input(cfg.job, columns, self.llm.check_chat_template)
-        self.chat_template, self.chat_kwargs = cfg.job.chat_template, chat_kwargs(cfg.job)
-
-    def run(self, batch: pa.Table) -> pa.Table:
-        requests = (to_request(row, pickle.loads(fields), self.llm.default_sampling, self.chat_template)
-                    for row, fields in zip(batch["row"].to_pylist(), batch["fields"].to_pylist()))
-        rows = [row for out in self.llm.stream(requests, chat_template_kwargs=self.chat_kwargs)
-                for row in result_rows(out)]
-        return pa.Table.from_pylist(rows, schema=PART_SCHEMA)
-
-
-class BenchEngine(Engine):
-    """job=bench: a batch of request numbers of the workload in, each request's token counts out."""
-
-    def setup(self, cfg) -> None:
-        self.requests = workload(cfg.job, default_sampling(cfg), self.llm.engine.model.arch.vocab_size)
-
-    def run(self, batch: pa.Table) -> pa.Table:
-        requests = (Request(i, prompt_token_ids=self.requests[i][0], sampling_params=self.requests[i][1])
-                    for i in batch["id"].to_pylist())
-        return pa.Table.from_pylist([{"id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
-                                      "output_tokens": sum(len(c.token_ids) for c in out.outputs)}
-                                     for out in self.llm.stream(requests)])
+        requests = (self.processor.preprocess(key, pickle.loads(fields))
+                    for key, fields in zip(batch["row"].to_pylist(), batch["fields"].to_pylist()))
+        rows = [row for out in self.llm.stream(requests, chat_template_kwargs=self.processor.chat_template_kwargs)
+                for row in self.processor.postprocess(out)]
+        stats = self.llm.stats(self.reported)
+        self.reported += len(stats.steps)
+        ray.get(self.collector.add_steps.remote(self.index, stats.table(), stats.sampler_fallbacks, time.time()))
+        return pa.Table.from_pylist(rows, schema=self.processor.output_schema)
 
 
 @ray.remote(num_cpus=0)
@@ -159,13 +118,13 @@ class StatsCollector:
 
     def register(self, handle, settings: dict, constructed: float, ready: float) -> int:
         self.engines.append({"handle": handle, "settings": settings, "constructed": constructed, "ready": ready,
-                             "done": None, "steps": []})
+                             "done": None, "steps": [], "sampler_fallbacks": 0})
         return len(self.engines) - 1
 
-    def add_steps(self, index: int, steps: pa.Table, done: float) -> None:
+    def add_steps(self, index: int, steps: pa.Table, sampler_fallbacks: int, done: float) -> None:
         engine = self.engines[index]
         engine["steps"].append(steps.add_column(0, "engine", pa.array([index] * steps.num_rows, pa.int64())))
-        engine["done"] = done
+        engine["done"], engine["sampler_fallbacks"] = done, sampler_fallbacks
 
     def handles(self) -> list:
         return [engine["handle"] for engine in self.engines]
@@ -239,13 +198,11 @@ def engine_error(err: ray.exceptions.RayError) -> UserError | None:
     return cause if isinstance(cause, UserError) else None
 
 
-def execute(cfg, engine: type, dataset: Callable[[int], ray.data.Dataset], num_rows: int,
-            take: Callable[[pa.Table], Iterable[int]], engine_args: tuple = ()) -> tuple[pa.Table, dict]:
-    """Run the rows of dataset(batch_size) (built once Ray runs, in blocks of batch_size rows: a block is
-    what one actor call gets) through a pool of `engine` actors, built with
-    (cfg, the collector, *engine_args); take() gets each output batch and returns the output tokens of
-    each request it took (for the progress bar). Returns steps.parquet's table and the summary's columns
-    that come from the engines (job_timings)."""
+def run_on_ray(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callable[[list[dict]], int]) -> Run:
+    """executor=ray: the rows through a pool of Engine actors running `processor`; take() gets the output
+    rows of each request once (a batch run again after its engine died returns its rows again), and
+    returns its output tokens (for the progress bar). Returns steps.parquet's table (every engine's steps)
+    and the summary's columns that come from the engines (job_timings)."""
     start = time.time()
     started_ray = start_ray(cfg.executor)
     try:
@@ -259,8 +216,8 @@ def execute(cfg, engine: type, dataset: Callable[[int], ray.data.Dataset], num_r
         batch_size = min(cfg.executor.batch_size, math.ceil(num_rows / num_engines))  # every engine gets rows
         # Ray Data's actors default to max_restarts=-1, max_task_retries=-1: a dead actor is restarted and
         # its batch run again. One batch at a time per actor: the next goes to whichever engine is free.
-        outputs = dataset(batch_size).map_batches(
-            engine, batch_size=batch_size, batch_format="pyarrow", fn_constructor_args=(cfg, collector, *engine_args),
+        outputs = blocks_dataset(rows, batch_size).map_batches(
+            Engine, batch_size=batch_size, batch_format="pyarrow", fn_constructor_args=(cfg, collector, processor),
             num_cpus=1, num_gpus=cfg.executor.gpus_per_engine,
             compute=ActorPoolStrategy(size=num_engines, max_tasks_in_flight_per_actor=1))
         log.info("ray: %d engine(s), %g GPU(s) each, batches of up to %d rows", num_engines,
@@ -269,9 +226,12 @@ def execute(cfg, engine: type, dataset: Callable[[int], ray.data.Dataset], num_r
         try:
             with stderr_without(RAY_ACTOR_ARGS_NOTICE):  # Ray Data starts the pool for the first batch
                 first = list(itertools.islice(batches, 1))
+            taken = set()
             for batch in itertools.chain(first, batches):
-                for output_tokens in take(batch):
-                    progress.finished(output_tokens)
+                for key, request_rows in itertools.groupby(batch.to_pylist(), key=lambda row: row["row"]):
+                    if key not in taken:
+                        taken.add(key)
+                        progress.finished(take(list(request_rows)))
                 after_batch(collector)
         except ray.exceptions.RayError as err:
             raise (engine_error(err) or err) from None
@@ -283,7 +243,7 @@ def execute(cfg, engine: type, dataset: Callable[[int], ray.data.Dataset], num_r
     finally:
         if started_ray:
             ray.shutdown()
-    return job_timings(engines, num_engines, start, ray_ready, end)
+    return Run(*job_timings(engines, num_engines, start, ray_ready, end))
 
 
 def job_timings(engines: list[dict], num_engines: int, start: float, ray_ready: float,
@@ -296,7 +256,8 @@ def job_timings(engines: list[dict], num_engines: int, start: float, ray_ready: 
     recorder = StatsRecorder()
     recorder.steps = [StepStats(**row) for row in steps.drop_columns(["engine"]).to_pylist()]
     figures = recorder.summary(settings["num_blocks"], settings["block_size"], settings["max_model_len"])
-    timings = {**settings, **figures, "wall_time_s": end - start, "num_engines": num_engines,
+    timings = {**settings, **figures, "sampler_fallbacks": sum(e["sampler_fallbacks"] for e in engines),
+               "wall_time_s": end - start, "num_engines": num_engines,
                "ray_init_s": ray_ready - start, "startup_s": ready[min(num_engines, len(ready)) - 1],
                "load_s": max(e["ready"] - e["constructed"] for e in engines),
                "tail_s": max(done) - min(done) if done else 0.0,
@@ -308,71 +269,12 @@ def job_timings(engines: list[dict], num_engines: int, start: float, ray_ready: 
     return steps, timings
 
 
-def job_summary(timings: dict, counts: dict) -> dict:
-    """summary.parquet's row: the engines' settings and figures, the counts, throughput over the job's wall time."""
-    wall = timings["wall_time_s"]
-    summary = {**timings, **counts}
-    summary.update(output_tok_per_s=counts["output_tokens"] / wall,
-                   total_tok_per_s=(counts["prompt_tokens"] + counts["output_tokens"]) / wall)
-    return summary
-
-
-def blocks_dataset(tables: Iterable[pa.Table]) -> ray.data.Dataset:
-    """A dataset of these tables, each a block, put in Ray's object store by the driver (which keeps only
-    references; the store spills to disk past its size). No read task: the engines may hold every CPU."""
-    return ray.data.from_arrow_refs([ray.put(table) for table in tables])
-
-
-def pending_dataset(source: InputFiles, columns: Columns, writer: ResultWriter, block_rows: int) -> ray.data.Dataset:
-    """The rows not saved yet, in blocks of block_rows: row number and the row's fields, pickled."""
-    rows = pending_rows(source, columns, writer)
-    return blocks_dataset(pa.table({"row": pa.array([row for row, _ in chunk], pa.int64()),
-                                    "fields": pa.array([pickle.dumps(f) for _, f in chunk], pa.binary())})
-                          for chunk in iter(lambda: list(itertools.islice(rows, block_rows)), []))
-
-
-def run_generate(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, directory: Path) -> None:
-    """job=generate executor=ray: the rows not saved yet through the engines, each row's results to the
-    writer once; then steps.parquet and summary.parquet."""
-    counts, taken = new_counts(), np.zeros(source.num_rows, bool)
-
-    def take(batch: pa.Table) -> Iterable[int]:
-        for row, results in itertools.groupby(batch.to_pylist(), key=lambda r: r["row"]):
-            if not taken[row]:  # else a batch run again after its engine died had returned it already
-                taken[row] = True
-                results = list(results)
-                writer.add(*results)
-                yield tally(counts, results)
-
-    steps, timings = execute(cfg, GenerateEngine, lambda rows: pending_dataset(source, columns, writer, rows),
-                             source.num_rows - writer.resumed, take, (columns,))
-    writer.flush()  # every row saved before the stats: a kill from here on loses no work
-    summary = job_summary(timings, counts)
-    summary["resumed_rows"] = writer.resumed
-    write_stats(steps, cfg, directory, summary)
-
-
-def run_bench(cfg) -> None:
-    """job=bench executor=ray: the workload's requests split over the engines; no floor (it is one device's)."""
-    if cfg.job.baseline != "none":
-        raise JobError(f"job.baseline={cfg.job.baseline} runs on one device: use executor=local")
-    num_prompts = shape(cfg.job).num_prompts
-    counts, taken = new_counts(), np.zeros(num_prompts, bool)
-
-    def take(batch: pa.Table) -> Iterable[int]:
-        for request in batch.to_pylist():
-            if not taken[request["id"]]:  # else a batch run again after its engine died had returned it already
-                taken[request["id"]] = True
-                counts["num_requests"] += 1
-                counts["prompt_tokens"] += request["prompt_tokens"]
-                counts["output_tokens"] += request["output_tokens"]
-                yield request["output_tokens"]
-
-    def request_numbers(block_rows: int) -> ray.data.Dataset:
-        return blocks_dataset(pa.table({"id": pa.array(range(lo, min(lo + block_rows, num_prompts)), pa.int64())})
-                              for lo in range(0, num_prompts, block_rows))
-
-    steps, timings = execute(cfg, BenchEngine, request_numbers, num_prompts, take)
-    summary = job_summary(timings, counts)
-    summary["workload"] = cfg.job.workload
-    write_stats(steps, cfg, run_dir(), summary)
+def blocks_dataset(rows: Rows, block_rows: int) -> ray.data.Dataset:
+    """A dataset of the rows in blocks of block_rows (the key, the fields pickled), each block put in Ray's
+    object store by the driver (which keeps only references; the store spills to disk past its size). No
+    read task: the engines may hold every CPU."""
+    rows = iter(rows)
+    chunks = iter(lambda: list(itertools.islice(rows, block_rows)), [])
+    return ray.data.from_arrow_refs([ray.put(pa.table({"row": pa.array([key for key, _ in chunk], pa.int64()),
+                                                       "fields": pa.array([pickle.dumps(f) for _, f in chunk], pa.binary())}))
+                                     for chunk in chunks])

@@ -37,7 +37,6 @@ import itertools
 import json
 import logging
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,10 +48,10 @@ import pyarrow.parquet as pq
 from tokenizers import decoders
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.generation_config import read_generation_config
-from engine.llm import default_sampling
+from engine.generation_config import read_generation_config, resolve_sampling
 from engine.models.loader import HUB_FILES, resolve_model_path
 from jobs import JobError
+from jobs.common import signal_handlers
 from jobs.inputs import file_hash, fingerprint_change
 from jobs.parquet import META_CONFIG, OutputError, atomic_path, flatten, schema_with_metadata, write_atomic
 
@@ -102,7 +101,7 @@ def model_fingerprint(cfg) -> dict:
     name: "<size> bytes, mtime <ns>" for weights, "blake2b <hash>" for the others}; no files without one."""
     path = resolve_model_path(cfg.model)
     with _quiet():  # the engine logs where each sampling value came from; once is enough
-        sampling = dataclasses.asdict(default_sampling(cfg, read_generation_config(path)))
+        sampling = dataclasses.asdict(resolve_sampling(cfg.sampling, read_generation_config(path)))
     files = {}
     for file in sorted({f for pattern in HUB_FILES for f in path.glob(pattern)} if path else ()):
         if file.is_file():
@@ -325,17 +324,11 @@ def _signals_deferred():
     a process's signal to any thread that does not block it (Ray's, pyarrow's), after which Python raises
     it in the main thread all the same. Off the main thread a plain block: Python runs its handlers, and so
     raises KeyboardInterrupt, only in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     noted = []
-    previous = {s: signal.signal(s, lambda signum, _frame: noted.append(signum))
-                for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        with signal_handlers({s: lambda signum, _frame: noted.append(signum) for s in (signal.SIGINT, signal.SIGTERM)}):
+            yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         for s in noted:
             signal.raise_signal(s)
 

@@ -6,7 +6,8 @@ PyTorch versions, which state the contracts, in ops/<family>_reference.py (paged
 sampling). Two Triton modules mirror a function of another family's reference: cascade.py,
 paged_attention_reference.cascade_attention_decode; logprob_kernels.py, sampling_reference.logprobs
 (not named logprobs.py: importing a submodule ops.logprobs would rebind the function ops.logprobs to
-it). See also DESIGN.md. The Triton modules are imported only when asked for: triton is optional on CPU.
+it). The cache's address map and the ops' contracts: docs/design.md. The Triton modules are imported only
+when asked for: triton is optional on CPU.
 """
 import importlib
 
@@ -37,10 +38,6 @@ def _checked_out(out, q):
         raise ValueError(f"out must match q: got {tuple(out.shape)} {out.dtype} on {out.device}, "
                          f"q is {tuple(q.shape)} {q.dtype} on {q.device}")
     return out
-
-
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend=None):
-    return _pick(backend, key, "paged_attention").write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, backend=None, *,
@@ -90,12 +87,12 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
                             qk_norm=None, input_norm=None, bias=None, out=None):
     """q [T, Hq, D], k and v [T, Hkv, D]: RoPE of q and k with the float32 tables cos/sin [max_pos, D] at
     positions [T], after the per-head RMSNorm over D of each when qk_norm = (q_weight [D], k_weight [D],
-    eps) is given (Qwen3's QK-norm); the rotated k and v go to the cache through slot_mapping
-    (write_kv_cache's contract) -> the rotated q: a new contiguous tensor, or out (a contiguous tensor
-    shaped as q) when given. input_norm = (hidden [T, H], eps): q, k and v are projections of the raw
-    hidden rows, the RMSNorm before them folded into their weight, and are first scaled by each row's
-    rsqrt(mean(hidden^2) + eps); bias = (q_bias [Hq * D], k_bias [Hkv * D], v_bias [Hkv * D]) is added
-    after that (ops/fused_reference.py states the rounding). One kernel on CUDA."""
+    eps) is given (Qwen3's QK-norm); the rotated k and v go to the cache through slot_mapping (the contract
+    of ops/paged_attention_reference.write_kv_cache) -> the rotated q: a new contiguous tensor, or out (a
+    contiguous tensor shaped as q) when given. input_norm = (hidden [T, H], eps): q, k and v are projections
+    of the raw hidden rows, the RMSNorm before them folded into their weight, and are first scaled by each
+    row's rsqrt(mean(hidden^2) + eps); bias = (q_bias [Hq * D], k_bias [Hkv * D], v_bias [Hkv * D]) is
+    added after that (ops/fused_reference.py states the rounding). One kernel on CUDA."""
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous")
     return _pick(backend, q, "fused").rope_and_write_kv_cache(

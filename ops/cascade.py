@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ops import paged_attention
-from ops.paged_attention import LOG2E, _attend_range, _dot_prec, _query_tile, _store_partial, _tile_owner
+from ops.paged_attention import LOG2E, attend_range, dot_precision, load_query_tile, store_partial, tile_owner
 
 CHUNK_MIN_TOKENS = 256  # a prefix chunk writes BLOCK_M x D float32 partials: keep it well above that
 
@@ -46,7 +46,7 @@ def _prefix_kernel(
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     chunk = tl.program_id(2)
-    grp, row0, num_rows, tile_start = _tile_owner(cu_ptr, num_groups, pid, BLOCK_Q)
+    grp, row0, num_rows, tile_start = tile_owner(cu_ptr, num_groups, pid, BLOCK_Q)
     if tile_start >= num_rows:
         return
     prefix = tl.load(prefix_ptr + grp)
@@ -63,16 +63,16 @@ def _prefix_kernel(
     heads = kvh * G + offs_m % G
     row_mask = (offs_m < BLOCK_Q * G) & (tile_start + offs_m // G < num_rows)
     d_mask = offs_d < HEAD_DIM
-    q, m_i, l_i, acc = _query_tile(q_ptr, rows, heads, row_mask, offs_d, d_mask, s_qb, s_qh, s_qd, kc_ptr,
-                                   BLOCK_M, BLOCK_D, UPCAST)
+    q, m_i, l_i, acc = load_query_tile(q_ptr, rows, heads, row_mask, offs_d, d_mask, s_qb, s_qh, s_qd, kc_ptr,
+                                       BLOCK_M, BLOCK_D, UPCAST)
     # the group's first row's block table: its prefix blocks are every member's
-    acc, m_i, l_i = _attend_range(
+    acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + row0.to(tl.int64) * s_btb, start, end,
         s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
         BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST,
     )
-    _store_partial(part_o_ptr, part_lse_ptr, rows * num_q_heads + heads, chunk, acc, m_i, l_i, offs_d,
-                   row_mask, d_mask, BLOCK_S, BLOCK_D)
+    store_partial(part_o_ptr, part_lse_ptr, rows * num_q_heads + heads, chunk, acc, m_i, l_i, offs_d,
+                  row_mask, d_mask, BLOCK_S, BLOCK_D)
     if (kvh == 0) & (chunk == 0):
         tl.store(ctx_start_ptr + rows, prefix + 0 * offs_m, mask=row_mask & (offs_m % G == 0))
 
@@ -83,7 +83,7 @@ def prefix_num_chunks(batch, num_kv_heads, block_q, max_prefix, device):
     time: benchmarks/NOTES.md, version 19), chunks of at least CHUNK_MIN_TOKENS of max_prefix (a bound).
     Not rounded to a power of two: each chunk costs a float32 [B, Hq, D] partial written and read back."""
     programs = triton.cdiv(batch, block_q) * num_kv_heads
-    want = paged_attention._sm_count(device) // programs
+    want = paged_attention.sm_count(device) // programs
     return max(1, min(want, max_prefix // CHUNK_MIN_TOKENS, paged_attention.SPLIT_MAX))
 
 
@@ -100,7 +100,7 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         G=Hq // Hkv, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=part_o.shape[3], BLOCK_SIZE=bs,
         BLOCK_N=cfg["BLOCK_N"], ALIGN=decode_block_n if bs % decode_block_n == 0 else 1,
-        BLOCK_S=part_lse.shape[2], DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
+        BLOCK_S=part_lse.shape[2], DOT_PREC=dot_precision(key_cache.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -1,6 +1,5 @@
-"""Triton versions of the three paged-KV ops (contracts: ops/paged_attention_reference.py and DESIGN.md).
+"""Triton versions of the paged attention ops (contracts: ops/paged_attention_reference.py and docs/design.md).
 
-    write_kv_cache(key, value, key_cache, value_cache, slot_mapping)                  (in place)
     paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale,
                            max_seq_len=None, num_splits=None, row_order=None) -> out
     paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale,
@@ -10,8 +9,7 @@ None of them synchronises with the host: grids and split counts come from shapes
 optional CPU-side hints), never from the values of seq_lens / cu_seqlens_q, so they can be captured
 in CUDA graphs.
 
-Kernels:
-- write_kv_cache: one program per new token, scattering its [Hkv, D] rows (skipped when slot < 0).
+Kernels (the cache write is ops/fused.py's, inside rope_and_write_kv_cache):
 - decode: one program per (sequence, kv head, split), a sequence's programs started together, the
   sequences in an optional row_order (longest first: over contexts of mixed lengths the last wave then
   holds the short ones). The G = Hq // Hkv query heads of a kv head are packed into a tile of
@@ -30,6 +28,8 @@ Kernels:
   The key loop has an unmasked part (keys every row may see) and a masked diagonal part.
 Every read is bounded by seq_len: no read of block-table padding, of -1 entries, or of unused
 slots of a sequence's last block.
+The kernels' shared pieces, which ops/cascade.py's kernels use too: tile_owner, load_query_tile,
+attend_range and store_partial (Triton functions), dot_precision and sm_count (their launches').
 """
 import functools
 from typing import Optional
@@ -42,48 +42,7 @@ LOG2E = 1.4426950408889634
 
 
 # --------------------------------------------------------------------------------------------
-# write_kv_cache
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _write_kv_kernel(
-    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr,
-    s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
-    s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
-    num_heads, head_dim,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    # (slot + 0 * h) keeps the mask a block: the interpreter rejects a scalar & block mask
-    mask = (h < num_heads) & (d < head_dim) & ((slot + 0 * h) >= 0)
-    k = tl.load(key_ptr + t * s_kt + h * s_kh + d * s_kd, mask=mask)
-    tl.store(kc_ptr + blk * s_kcb + h * s_kch + off * s_kct + d * s_kcd,
-             k.to(kc_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(value_ptr + t * s_vt + h * s_vh + d * s_vd, mask=mask)
-    tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd,
-             v.to(vc_ptr.dtype.element_ty), mask=mask)
-
-
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
-    T = key.shape[0]
-    if T == 0:
-        return
-    _, H, bs, D = key_cache.shape
-    _write_kv_kernel[(T,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        H, D,
-        BLOCK_SIZE=bs, BLOCK_H=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# shared pieces of the attention kernels
+# shared pieces of the attention kernels (ops/cascade.py's too)
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _attn_tile(
@@ -137,7 +96,7 @@ def _attn_tile(
 
 
 @triton.jit
-def _tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+def tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     """Tiles of BLOCK_Q rows over the row ranges cu[b]:cu[b+1] (cu[0] = 0, nondecreasing), enumerated
     without host knowledge: range b owns programs [cu[b] // BLOCK_Q + b, .. + cdiv(len(b), BLOCK_Q)),
     so a grid of cu[-1] // BLOCK_Q + num_seqs programs covers every tile. Binary search over cu.
@@ -159,8 +118,8 @@ def _tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+def load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """The [BLOCK_M, BLOCK_D] query tile whose row i is query row q_rows[i], head heads[i], in the dtype
     tl.dot gets (float32 in the interpreter, else the cache's), and a fresh online-softmax state."""
     q = tl.load(q_ptr + q_rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
@@ -176,7 +135,7 @@ def _query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd
 
 
 @triton.jit
-def _attend_range(
+def attend_range(
     q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, start, end,
     s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -245,17 +204,17 @@ def _decode_kernel(
     heads = kvh * G + offs_g
     g_mask = offs_g < G
     d_mask = offs_d < HEAD_DIM
-    q, m_i, l_i, acc = _query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
-                                   s_qb, s_qh, s_qd, kc_ptr, BLOCK_G, BLOCK_D, UPCAST)
-    acc, m_i, l_i = _attend_range(
+    q, m_i, l_i, acc = load_query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
+                                       s_qb, s_qh, s_qd, kc_ptr, BLOCK_G, BLOCK_D, UPCAST)
+    acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + b.to(tl.int64) * s_btb, start, end,
         s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
         BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST,
     )
     if SPLIT:
         rows = b.to(tl.int64) * num_q_heads + heads
-        _store_partial(part_o_ptr, part_lse_ptr, rows, first_slot + split, acc, m_i, l_i, offs_d,
-                       g_mask, d_mask, BLOCK_S, BLOCK_D)
+        store_partial(part_o_ptr, part_lse_ptr, rows, first_slot + split, acc, m_i, l_i, offs_d,
+                      g_mask, d_mask, BLOCK_S, BLOCK_D)
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         tl.store(out_ptr + b.to(tl.int64) * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -263,8 +222,8 @@ def _decode_kernel(
 
 
 @triton.jit
-def _store_partial(part_o_ptr, part_lse_ptr, rows, slot, acc, m_i, l_i, offs_d, row_mask, d_mask,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def store_partial(part_o_ptr, part_lse_ptr, rows, slot, acc, m_i, l_i, offs_d, row_mask, d_mask,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Partial results of (row, q head) pairs rows (= row * Hq + head) in slot: o [.., BLOCK_S, BLOCK_D]
     and log2-sum-exp [.., BLOCK_S] (float32, contiguous); an empty range stores only lse = -inf (the
     reduce reads no o of such a slot)."""
@@ -315,7 +274,8 @@ def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count(device):
+def sm_count(device):
+    """The device's streaming multiprocessors, which the grid heuristics fill."""
     if device.type == "cuda":
         return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 132  # interpreter: behave as on an H200 so that CPU tests take the same paths
@@ -344,7 +304,7 @@ def decode_num_splits(batch, num_kv_heads, max_ctx, device, balance=True):
     SPLIT_MIN_TOKENS of max_ctx on average. balance=False: only as many as fill the GPU (cascade's
     suffix pass: its contexts are short)."""
     programs = batch * num_kv_heads
-    sms = _sm_count(device)
+    sms = sm_count(device)
     want = triton.cdiv(SPLIT_TARGET_WAVES * sms, programs)
     if balance:
         want = max(want, min(BALANCE_MAX_SPLITS, triton.cdiv(BALANCE_WAVES * sms, programs)))
@@ -352,7 +312,8 @@ def decode_num_splits(batch, num_kv_heads, max_ctx, device, balance=True):
     return 1 << (n - 1).bit_length() if n > 1 else 1  # round up to a power of two
 
 
-def _dot_prec(dtype):
+def dot_precision(dtype):
+    """tl.dot's input_precision (DOT_PREC) over a cache of this dtype."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -394,7 +355,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
         G=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), HEAD_DIM=D,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
-        HAS_ORDER=row_order is not None, DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
+        HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(key_cache.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -462,7 +423,7 @@ def _prefill_kernel(
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    b, q_start, len_q, q_block_start = _tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q)
+    b, q_start, len_q, q_block_start = tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q)
     if q_block_start >= len_q:
         return
     seq_len = tl.load(seqlen_ptr + b)
@@ -477,8 +438,8 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     q_pos = ctx + tok
     q_rows = (q_start + tok).to(tl.int64)
-    q, m_i, l_i, acc = _query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
-                                   BLOCK_M, BLOCK_D, UPCAST)
+    q, m_i, l_i, acc = load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
+                                       BLOCK_M, BLOCK_D, UPCAST)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
     vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
@@ -556,7 +517,7 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
         float(scale) * LOG2E, B,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
         G=G, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=_dot_prec(key_cache.dtype), UPCAST=not q.is_cuda,
+        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(key_cache.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -1,5 +1,6 @@
-"""Readable PyTorch versions of the paged-KV ops (the contracts of DESIGN.md; Triton versions:
-ops/paged_attention.py, and ops/cascade.py for cascade_attention_decode).
+"""Readable PyTorch versions of the paged-KV ops (the contracts of docs/design.md; Triton versions:
+ops/paged_attention.py, ops/cascade.py for cascade_attention_decode, and for write_kv_cache the cache write
+inside ops/fused.py's rope_and_write_kv_cache, whose reference, ops/fused_reference.py, calls it).
 
 Shapes (int32 metadata; a slot of -1 is skipped):
     key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]

@@ -10,7 +10,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from engine.config import register_configs  # noqa: E402
+from jobs.config import register_configs  # noqa: E402
 
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()

@@ -10,8 +10,8 @@ import pytest
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-from jobs.parquet import META_CONFIG, META_VERSION, SCHEMA_VERSION, write_atomic
 from jobs.analyze import analyze
+from jobs.parquet import META_CONFIG, META_VERSION, SCHEMA_VERSION, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,6 @@
 """The Python API (engine/llm.py): the same greedy token ids as transformers and as the command line, outputs
 in input order, vLLM's option names, errors before any work, and a streaming core that holds a bounded window."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,8 +14,8 @@ from omegaconf import OmegaConf
 from test_oracle import MAX_TOKENS, reference_outputs
 
 from engine import LLM, Request, RequestError, SamplingParams
-from engine.config import ConfigError
-from engine.llm import engine_config
+from engine.config import engine_config
+from engine.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
@@ -82,11 +83,11 @@ def test_engine_options_take_vllms_names(make_config):
                 "gpu_memory_utilization": "cache", "num_blocks": "cache", "enable_prefix_caching": "cache",
                 "max_num_seqs": "scheduler",
                 "max_num_batched_tokens": "scheduler"}
-    assert {name: cfg[sections[name]][name] for name in options} == options
+    assert {name: getattr(getattr(cfg, sections[name]), name) for name in options} == options
     # without options: the command line's defaults, composed by Hydra from the same files
     plain, hydra = engine_config("tiny"), make_config()
     for section in ("model", "cache", "scheduler", "sampling"):
-        assert OmegaConf.to_container(plain[section]) == OmegaConf.to_container(hydra[section])
+        assert dataclasses.asdict(getattr(plain, section)) == OmegaConf.to_container(hydra[section])
     with pytest.raises(TypeError, match=r"^LLM\(\) got unknown engine options: 'max_num_seq' \(did you mean "
                                         r"max_num_seqs\?\), 'tensor_parallel' \(known: architecture, block_size, "):
         LLM(model="tiny", max_num_seq=4, tensor_parallel=2)

@@ -13,11 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from engine.config import ConfigError, validate
-from engine.engine import LLMEngine, RequestError, resolve_device
+from engine.engine import LLMEngine, resolve_device
+from engine.errors import ConfigError, RequestError
+from engine.sequence import SamplingParams
 from jobs import JobError
 from jobs.common import run_lock
-from engine.sequence import SamplingParams
+from jobs.config import validate
 from jobs.generate import final_batches, generate_job, open_input, row_sampling
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,6 @@ def test_a_prompt_column_that_is_not_text(tmp_path):
 # -- job level: settings ---------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (["cache.block_size=0"], r"cache.block_size must be >= 1, got 0"),
-    (["cache.num_blocks=3", "model.max_model_len=512"], r"a pool of 3 blocks of 16 tokens .* cannot hold one sequence of model.max_model_len 512"),
     (["+cache.blok_size=3"], r"unknown config key 'cache.blok_size'; did you mean cache.block_size\? \(cache keys: block_size, "),
     (["+job.inptu=x"], r"unknown config key 'job.inptu'"),
     (["model.dtype=bf16"], r"model.dtype must be one of"),
@@ -105,11 +105,15 @@ def test_impossible_settings(make_config, overrides, message):
         validate(make_config(*overrides))
 
 
-def test_a_pool_sized_from_memory_must_hold_one_sequence(make_config, tmp_path):
+@pytest.mark.parametrize("override, message", [
+    ("cache.kv_budget_gb=0.0001", r"a pool of 12 blocks .* cannot hold one sequence"),
+    ("cache.num_blocks=3", r"a pool of 3 blocks of 16 tokens .* cannot hold one sequence of model.max_model_len 512"),
+])
+def test_a_pool_must_hold_one_sequence(make_config, tmp_path, override, message):
     path = write(tmp_path / "in.parquet", prompt=["hi"])
-    cfg = make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=512", "cache.kv_budget_gb=0.0001")
-    validate(cfg)  # 12 blocks of 16: only the engine, sizing the pool, finds out
-    with pytest.raises(ConfigError, match=r"a pool of 12 blocks .* cannot hold one sequence"):
+    cfg = make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=512", override)
+    validate(cfg)  # the engine, sizing the pool, finds out (the one place the rule is kept)
+    with pytest.raises(ConfigError, match=message):
         generate_job(cfg, tmp_path)
     assert not (tmp_path / "generations.parts").exists()  # nothing written for a job that cannot start
 

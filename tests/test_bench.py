@@ -13,9 +13,9 @@ import torch
 
 from engine.models.loader import build_model
 from engine.sequence import SamplingParams
-from engine.stats import workload_floor_s
+from engine.stats import floor_model, workload_floor_s
 from jobs import JobError
-from jobs.bench import floor_model, run, workload
+from jobs.bench import run, workload
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,9 +3,11 @@ token-exact with transformers, with the path taken (steps.parquet's cascade_rows
 import pytest
 import torch
 
-from engine.config import ConfigError, validate
 from engine.engine import LLMEngine
+from engine.errors import ConfigError
 from engine.sequence import SamplingParams
+from engine.stats import steps_table
+from jobs.config import validate
 from test_oracle import MAX_TOKENS, reference_outputs
 
 
@@ -37,7 +39,7 @@ def test_greedy_matches_transformers_with_cascade(make_config, qwen3_checkpoint,
     seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
     assert len(list(engine.run())) == len(prompts)
     assert [s.output_token_ids for s in seqs] == expected
-    cascade_rows = engine.stats.table().column("cascade_rows").to_pylist()
+    cascade_rows = steps_table(engine.stats.steps).column("cascade_rows").to_pylist()
     if mode == "off":
         assert sum(cascade_rows) == 0
     else:  # both heads' groups while all six decode: 4 + 2 rows

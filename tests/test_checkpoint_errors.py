@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.models.loader import build_model
 from engine.tokenizer import load_tokenizer
 

@@ -15,11 +15,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from engine import run
-from engine.config import (AnalyzeJob, CacheConfig, ConfigError, ModelConfig, SamplingConfig, SchedulerConfig,
-                           cpu_threads, key_help, validate)
+from engine.config import CacheConfig, ModelConfig, SamplingConfig, SchedulerConfig, cpu_threads
 from engine.engine import LLMEngine
+from engine.errors import ConfigError
 from engine.generation_config import resolve_sampling
+from jobs import cli as run
+from jobs.config import AnalyzeJob, key_help, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -237,7 +238,7 @@ def interrupt(*args, **kwargs):
 
 
 @pytest.mark.parametrize("args, where, message", [
-    ([], "engine.run.validate", run.STARTUP_INTERRUPTED),  # before the job starts
+    ([], "jobs.cli.validate", run.STARTUP_INTERRUPTED),  # before the job starts
     (["job=bench"], "engine.models.loader.init_random_weights", "interrupted: job=bench stopped before it finished"),
 ])
 def test_ctrl_c_during_start_up(monkeypatch, capsys, tmp_path, args, where, message, frozen_gc):

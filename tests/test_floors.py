@@ -1,7 +1,6 @@
 """The workload's floor (engine/stats.py) against hand computations and a per-token transcription of its
 definition, the model numbers it takes, and the device-rates cache (engine/hardware.py)."""
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,8 +10,9 @@ from hypothesis import strategies as st
 from engine import hardware
 from engine.hardware import device_rates
 from engine.models.loader import build_model
-from engine.stats import FloorModel, workload_floor_s
-from jobs.bench import floor_model, floor_summary
+from engine.sequence import SamplingParams
+from engine.stats import FloorModel, floor_model, workload_floor_s
+from jobs.bench import floor_summary
 
 # N = 100 non-embedding parameters, lm_head H = 10, 4-byte weights: a forward pass reads (100 + 10) * 4 = 440
 # bytes; 8 bytes of K/V a token; one layer, one query head of 2 dims: A = 4 * 1 * 1 * 2 = 8 FLOPs per query-key
@@ -116,15 +116,13 @@ def test_model_numbers_by_hand(make_config):
                                      num_layers=2, num_q_heads=4, head_dim=16)
 
 
-def test_the_bench_floor_takes_every_finished_sequence(make_config):
-    """floor_summary over the engine's finished sequences (two samples of one prompt, and another prompt) is
+def test_the_bench_floor_takes_every_finished_sample(make_config):
+    """floor_summary over the output rows of the bench (two samples of one request, and another request) is
     workload_floor_s over their prompts and outputs."""
     model, _ = build_model(make_config().model, torch.device("cpu"), torch.float32)
-    seqs = [SimpleNamespace(prompt_token_ids=[0] * 40, output_token_ids=[1] * 5),
-            SimpleNamespace(prompt_token_ids=[0] * 40, output_token_ids=[1] * 7),
-            SimpleNamespace(prompt_token_ids=[2] * 36, output_token_ids=[1] * 9)]
-    summary = {"kv_budget_bytes": 512 * 64, "kv_slots": 64, "wall_time_s": 2.0}
-    columns = floor_summary(SimpleNamespace(model=model), seqs, summary, (1e9, 1e12))
+    requests = [([0] * 40, SamplingParams(n=2)), ([2] * 36, SamplingParams())]
+    rows = [{"row": 0, "output_tokens": 5}, {"row": 0, "output_tokens": 7}, {"row": 1, "output_tokens": 9}]
+    columns = floor_summary(requests, rows, floor_model(model, 512), 2.0, (1e9, 1e12))
     expected = workload_floor_s([([0] * 40, 5), ([0] * 40, 7), ([2] * 36, 9)], floor_model(model, 512), 1e9, 1e12)
     assert columns == {**expected, "pct_of_floor": pytest.approx(50 * expected["floor_s"]),
                        "copy_gb_per_s": 1.0, "matmul_tflop_per_s": 1.0}

@@ -30,7 +30,8 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(caching):
     assert [manager.state(s).block_table for s in (0, 1, 2)] == [[0, 1, 2], [0, 1, 3], [0, 1, 4]]
     assert manager.ref_counts[:5] == [3, 3, 1, 1, 1] and manager.num_free_blocks == 3
     assert [manager.state(s).num_hashed_blocks for s in (1, 2)] == [2 if caching else 0] * 2
-    assert (manager.internal_fragmentation_tokens(), manager.logical_tokens()) == (3 * 2, 30)
+    logical = sum(s.sequence_length for s in manager.sequences.values())  # shared tokens counted per sequence
+    assert (manager.internal_fragmentation_tokens(), logical) == (3 * 2, 30)
     assert manager.invariants_ok()
     assert manager.append_token(1) == 3 * 4 + 2  # a child writes into its copy
     manager.release_sequence(0)  # the shared blocks stay with the children; only the parent's own is freed
@@ -145,7 +146,7 @@ def test_without_blocks_for_the_copies_the_samples_wait(make_config, one_thread,
     """A pool of 4 blocks of 4: the prompt takes 3 (the last partial), so the 3 copies do not fit; the other
     samples are queued when the first draws, and run after it (taking its full blocks from the cache, if on).
     Two outputs each: a sample fills 3 blocks, so none is preempted."""
-    engine = make_engine(make_config, 4, "cache.num_blocks=4", f"cache.enable_prefix_caching={caching}")
+    engine = make_engine(make_config, 4, "cache.num_blocks=4", "model.max_model_len=16", f"cache.enable_prefix_caching={caching}")
     prompt = list(range(100, 110))
     first = engine.add_request("0", prompt, params(n=N, seed=SEED, max_tokens=2))
     others = list(first.held_samples)
@@ -164,7 +165,7 @@ def test_forked_samples_survive_preemption(make_config, one_thread, monkeypatch)
     """A pool of 12 blocks of 4 for 6 requests of n=4: forked samples are preempted and recompute their prompt
     and outputs; every sample still equals its one-sample run."""
     prompts = [[j + 1] + list(range(150, 150 + length)) for j, length in enumerate((5, 8, 13, 3, 11, 9))]
-    engine = make_engine(make_config, 4, "cache.num_blocks=12", "scheduler.max_num_seqs=16")
+    engine = make_engine(make_config, 4, "cache.num_blocks=12", "model.max_model_len=48", "scheduler.max_num_seqs=16")
     forked, fork_held_samples = [], engine.scheduler._fork_held_samples
 
     def recording(batch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from huggingface_hub import constants
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.models import loader
 from engine.models.loader import build_model, resolve_model_path
 from engine.tokenizer import load_tokenizer

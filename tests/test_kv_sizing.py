@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import kv_cache
-from engine.config import ConfigError
 from engine.engine import LLMEngine
+from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec, PagedKVCache, host_memory_available, num_blocks_for
 
 ROOT = Path(__file__).resolve().parents[1]

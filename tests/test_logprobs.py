@@ -117,7 +117,7 @@ def test_prompt_logprobs_are_computed_despite_the_prefix_cache_and_preemption(
     request with the same head hits the cache); a pool too small for the batch preempts sequences
     scoring their prompt, whose recomputed chunks fill nothing twice."""
     path, hf_model = qwen3_checkpoint
-    engine = tiny_engine(make_config, path, "cache.enable_prefix_caching=true", "cache.num_blocks=24",
+    engine = tiny_engine(make_config, path, "cache.enable_prefix_caching=true", "cache.num_blocks=24", "model.max_model_len=96",
                          "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=12",
                          "cache.check_invariants=true")
     head = prompts[4]

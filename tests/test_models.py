@@ -1,5 +1,5 @@
 """Llama 3 and Qwen2 against transformers' own models on the same checkpoints (float32, greedy), the
-loader's packed shards, the RoPE tables, the registry's errors and the bench floor's parameter counts."""
+loader's packed shards, the RoPE tables, the registry's errors and the weight footprint (the bench floor's)."""
 import json
 
 import pytest
@@ -7,12 +7,11 @@ import torch
 from conftest import draw_norm_weights
 from test_oracle import engine_outputs, reference_outputs
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
+from engine.models.decoder import WeightFootprint
 from engine.models.loader import build_model, model_spec, to_hf_model, unpacked_state_dict
 from engine.models.rope import Rope, inverse_frequencies, rope_from_config
-from engine.stats import FloorModel
 from engine.tokenizer import byte_level_tokenizer
-from jobs.bench import floor_model
 
 PROMPT_LENGTHS = (1, 3, 5, 17, 40, 63)
 SUPPORTED = r"\(supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM\)"
@@ -74,7 +73,7 @@ def checkpoint(request, tmp_path_factory):
 @pytest.mark.parametrize("block_size, num_blocks", [(1, 96), (16, 6)])
 def test_greedy_matches_transformers_with_preemption(make_config, checkpoint, block_size, num_blocks):
     path, _, prompts, expected = checkpoint
-    config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto",
+    config = make_config(f"model.path={path}", "model.max_model_len=96", "model.device=auto",  # a pool's worth
                          "model.dtype=float32", f"cache.block_size={block_size}", f"cache.num_blocks={num_blocks}",
                          "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=16",
                          "cache.check_invariants=true")
@@ -177,12 +176,11 @@ def test_a_tensor_without_a_place_is_named(make_config, tmp_path):
     ("Qwen2ForCausalLM", "true", 2 * (36992 + 128) + 64),
     ("Qwen3ForCausalLM", "false", 2 * (36992 + 32) + 64),
 ])
-def test_floor_parameter_counts_by_hand(make_config, architecture, tied, nonembed):
+def test_weight_footprint_by_hand(make_config, architecture, tied, nonembed):
     cfg = make_config(f"model.architecture={architecture}", f"model.tie_word_embeddings={tied}")
     model, _ = build_model(cfg.model, torch.device("cpu"), torch.float32)
-    assert floor_model(model, kv_bytes_per_token=512) == FloorModel(
-        nonembed_params=nonembed, lm_head_params=257 * 64, weight_bytes_per_step=(nonembed + 257 * 64) * 4,
-        kv_bytes_per_token=512, num_layers=2, num_q_heads=4, head_dim=16)
+    assert model.weight_footprint() == WeightFootprint(
+        nonembed_params=nonembed, lm_head_params=257 * 64, bytes_per_step=(nonembed + 257 * 64) * 4)
 
 
 @pytest.mark.parametrize("name, architecture, params", [

@@ -1,4 +1,6 @@
-"""Tests of the three paged-KV ops, both backends, against an independent float64 oracle.
+"""Tests of the paged-KV ops against an independent float64 oracle: the attention ops on both backends, and
+write_kv_cache, the reference of the cache write inside ops.rope_and_write_kv_cache (the Triton kernels do
+it in the RoPE kernel: tests/test_fused.py), from the address map.
 
 On CPU the Triton kernels run under the interpreter (TRITON_INTERPRET=1, set by conftest.py and,
 as a fallback, below, before anything imports triton): float32 plus one bfloat16 case, small shapes.
@@ -22,6 +24,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import ops  # noqa: E402
+from ops import paged_attention_reference as reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -124,10 +127,9 @@ def bits(t):
     return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim,T", [(1, 4, 64, 5), (8, 2, 128, 13), (16, 8, 64, 40), (32, 1, 128, 70)])
-def test_write_kv_cache(backend, dtype, block_size, num_kv_heads, head_dim, T, gen):
+def test_write_kv_cache(dtype, block_size, num_kv_heads, head_dim, T, gen):
     nb = cdiv(T, block_size) + 3
     shape = (nb, num_kv_heads, block_size, head_dim)
     key_cache = torch.randn(shape, generator=gen).to(dtype)
@@ -140,7 +142,7 @@ def test_write_kv_cache(backend, dtype, block_size, num_kv_heads, head_dim, T, g
     slots[torch.rand(T, generator=gen) < 0.25] = -1
     key_cache, value_cache = key_cache.to(DEVICE), value_cache.to(DEVICE)
     k_before, v_before = key_cache.clone(), value_cache.clone()
-    ops.write_kv_cache(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(DEVICE), backend=backend)
+    reference.write_kv_cache(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
 
     # expected, from the address map
     k_exp, v_exp = k_before.cpu().clone(), v_before.cpu().clone()
@@ -152,9 +154,8 @@ def test_write_kv_cache(backend, dtype, block_size, num_kv_heads, head_dim, T, g
     assert torch.equal(bits(value_cache.cpu()), bits(v_exp)), f"seed={gen.initial_seed()}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_write_kv_cache_worked_example(backend):
-    # DESIGN.md: block_size 4, block_table [5, 2, 9, 1], token_pos 6 -> block 1, offset 2, physical 2, slot 10
+def test_write_kv_cache_worked_example():
+    # docs/design.md: block_size 4, block_table [5, 2, 9, 1], token_pos 6 -> block 1, offset 2, physical 2, slot 10
     block_table = [5, 2, 9, 1]
     pos = 6
     slot = block_table[pos // 4] * 4 + pos % 4
@@ -162,8 +163,7 @@ def test_write_kv_cache_worked_example(backend):
     key_cache = torch.zeros(10, 1, 4, 64, device=DEVICE)
     value_cache = torch.zeros(10, 1, 4, 64, device=DEVICE)
     key = torch.arange(64, dtype=torch.float32, device=DEVICE).view(1, 1, 64) + 1
-    ops.write_kv_cache(key, -key, key_cache, value_cache,
-                       torch.tensor([slot], dtype=torch.int32, device=DEVICE), backend=backend)
+    reference.write_kv_cache(key, -key, key_cache, value_cache, torch.tensor([slot], dtype=torch.int32, device=DEVICE))
     assert torch.equal(key_cache[2, 0, 2], key[0, 0]) and torch.equal(value_cache[2, 0, 2], -key[0, 0])
     assert key_cache.count_nonzero() == 64 and value_cache.count_nonzero() == 64
 

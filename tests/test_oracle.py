@@ -60,7 +60,7 @@ def test_greedy_matches_transformers_with_queueing_chunking_and_preemption(
     path, _ = qwen3_checkpoint
     prompts, expected = prompts_and_reference
     config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto",
-                         "model.dtype=float32", "cache.block_size=4", "cache.num_blocks=24",
+                         "model.dtype=float32", "cache.block_size=4", "cache.num_blocks=24", "model.max_model_len=96",
                          "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=16",
                          "cache.check_invariants=true")
     outputs, engine = engine_outputs(config, prompts)
@@ -91,6 +91,7 @@ def test_greedy_matches_transformers_with_prefix_caching_eviction_and_preemption
     prompts, expected = shared_prefix_prompts_and_reference
     config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto",
                          "model.dtype=float32", f"cache.block_size={block_size}", f"cache.num_blocks={num_blocks}",
+                         f"model.max_model_len={block_size * num_blocks}",
                          "scheduler.max_num_seqs=3", "scheduler.max_num_batched_tokens=24",
                          "cache.check_invariants=true", "cache.enable_prefix_caching=true")
     engine = LLMEngine(config)

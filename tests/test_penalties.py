@@ -90,7 +90,7 @@ def test_penalties_survive_preemption_and_mix_with_plain_rows(make_config, qwen3
     """A small pool forces preemption (recompute: the slot of token ids is kept); penalised rows share
     batches with plain ones."""
     path, hf_model = qwen3_checkpoint
-    config = tiny_config(make_config, path, "cache.num_blocks=16", "scheduler.max_num_seqs=4",
+    config = tiny_config(make_config, path, "cache.num_blocks=16", "model.max_model_len=64", "scheduler.max_num_seqs=4",
                          "scheduler.max_num_batched_tokens=16", "cache.check_invariants=true")
     penalised = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.5, frequency_penalty=0.5)
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

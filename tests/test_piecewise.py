@@ -13,6 +13,7 @@ from engine.engine import LLMEngine, piecewise_graphs_on
 from engine.kv_cache import PagedKVCache
 from engine.models.loader import build_model
 from engine.sequence import SamplingParams
+from engine.stats import steps_table
 from test_cascade_engine import interleaved_prefix_prompts  # noqa: F401  (a fixture)
 from test_mixed_step import BLOCK, metadata, positions_of
 from test_oracle import MAX_TOKENS, reference_outputs
@@ -99,7 +100,7 @@ def test_greedy_matches_transformers_with_pieces(make_config, qwen3_checkpoint):
     seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
     assert len(list(engine.run())) == len(prompts)
     assert [s.output_token_ids for s in seqs] == expected
-    phases = engine.stats.table().column("phase").to_pylist()
+    phases = steps_table(engine.stats.steps).column("phase").to_pylist()
     assert phases.count("mixed") >= 3
 
 
@@ -117,5 +118,5 @@ def test_pieces_with_cascade_groups(make_config, qwen3_checkpoint, interleaved_p
     seqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
     assert len(list(engine.run())) == len(prompts)
     assert [s.output_token_ids for s in seqs] == expected
-    steps = engine.stats.table().to_pylist()
+    steps = steps_table(engine.stats.steps).to_pylist()
     assert any(r["phase"] == "mixed" and r["cascade_rows"] > 0 for r in steps)

@@ -13,6 +13,7 @@ from engine.block_manager import (
     DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError,
     extend_block_hashes, hash_block,
 )
+from engine.sequence import SamplingParams, Sequence
 
 
 def snapshot(manager: KVBlockManager):
@@ -72,7 +73,8 @@ def test_hand_worked_trace():
     assert manager.state("B").block_table == [0, 1, 3]
     assert manager.ref_counts[:4] == [2, 2, 1, 1] and manager.num_free_blocks == 3  # 4 5 6
     # Physically: A's 10 tokens + B's own 3 = 13 in 4 blocks; without sharing: 10 + 11 = 21.
-    assert (manager.internal_fragmentation_tokens(), manager.logical_tokens(), manager.num_used_blocks) == (3, 21, 4)
+    logical = sum(s.sequence_length for s in manager.sequences.values())
+    assert (manager.internal_fragmentation_tokens(), logical, manager.num_used_blocks) == (3, 21, 4)
 
     # A finishes: block 2 (unhashed) is free again; 0 and 1 stay referenced by B.
     manager.release_sequence("A")
@@ -178,6 +180,35 @@ def test_only_stored_full_blocks_are_registered():
     manager.register_full_blocks(0, hashes)
     assert manager.cached_block_of == {hashes[0]: 0, hashes[1]: 1} and manager.block_hash[2] is None
     assert manager.state(0).num_hashed_blocks == 2 and manager.invariants_ok()
+
+
+def test_the_hashes_matches_and_registrations_of_sequences():
+    """hash_known_blocks: a sequence's known full blocks, copied to the other samples of its prompt, none while it
+    scores its prompt or with caching off; cached_prefix never takes its last token's block; register_known_blocks
+    hashes the blocks that outputs complete and registers them only while the sequence is live."""
+    manager = KVBlockManager(num_physical_blocks=6, block_size=2)
+    first, other = (Sequence(i, "r", [1, 2, 3, 4], SamplingParams(), 8) for i in (0, 1))
+    manager.hash_known_blocks(first, other)
+    assert first.block_hashes == other.block_hashes == extend_block_hashes([], [1, 2, 3, 4], 2)
+    assert other.block_hashes is not first.block_hashes
+    scoring = Sequence(2, "s", [1, 2, 3, 4], SamplingParams(prompt_logprobs=0), 8)
+    manager.hash_known_blocks(scoring)
+    plain = Sequence(3, "p", [1, 2], SamplingParams(), 4)
+    KVBlockManager(6, 2, enable_prefix_caching=False).hash_known_blocks(plain)
+    assert scoring.block_hashes == [] and plain.block_hashes == []
+
+    first.block_state = manager.create_sequence(0, manager.cached_prefix(first))
+    manager.append_tokens(0, 4)
+    manager.register_full_blocks(0, first.block_hashes)
+    assert manager.cached_prefix(other) == [0] and first.num_computed_tokens == 4  # block 1 holds its last token
+    first.output_token_ids += [5, 6]
+    manager.append_tokens(0, 2)  # the outputs' slots: allocated before their ids are known
+    manager.register_known_blocks(first)
+    assert first.block_hashes == extend_block_hashes([], [1, 2, 3, 4, 5, 6], 2) and manager.num_used_blocks == 3
+    assert manager.state(0).num_hashed_blocks == 3 and len(manager.cached_block_of) == 3
+    other.output_token_ids += [7, 8]
+    manager.register_known_blocks(other)  # not live (waiting): hashed, not registered
+    assert len(other.block_hashes) == 3 and len(manager.cached_block_of) == 3 and manager.invariants_ok()
 
 
 def test_reset_prefix_cache_frees_only_unreferenced_blocks():
@@ -363,7 +394,6 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 filled[block] = max(filled.get(block, 0), min(size, state.sequence_length - i * size))
         assert manager.num_used_blocks == len(filled)
         assert manager.num_used_blocks * size - manager.internal_fragmentation_tokens() == sum(filled.values())
-        assert manager.logical_tokens() == sum(s.sequence_length for s in manager.sequences.values())
         hashed_idle = sum(1 for b, h in enumerate(manager.block_hash) if h is not None and b not in filled)
         assert manager.num_cached_blocks == hashed_idle
 

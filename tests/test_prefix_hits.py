@@ -9,7 +9,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def engine_for(make_config, caching: bool) -> LLMEngine:
-    return LLMEngine(make_config("model.device=cpu", "cache.block_size=4", "cache.num_blocks=64",
+    return LLMEngine(make_config("model.device=cpu", "cache.block_size=4", "cache.num_blocks=64", "model.max_model_len=256",
                                  f"cache.enable_prefix_caching={str(caching).lower()}", "cache.check_invariants=true"))
 
 

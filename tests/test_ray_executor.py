@@ -14,11 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from engine import run as engine_run
-from engine.config import ConfigError, validate
+from engine.errors import ConfigError
 from engine.sequence import SamplingParams
+from jobs import cli as engine_run
 from jobs import JobError
 from jobs.bench import workload
+from jobs.config import validate
 from jobs.generate import generate_job
 from jobs.results import ResultWriter
 
@@ -161,7 +162,7 @@ def test_a_killed_driver_resumes_with_each_row_written_once(cluster, prompts, lo
 
 def test_the_bench_splits_its_workload_over_the_engines(cluster, tmp_path, monkeypatch):
     cfg = config("job=bench", "job.num_prompts=6", "job.input_len=[4,12]", "job.output_len=[2,4]", *RAY)
-    monkeypatch.setattr(ray_executor, "run_dir", lambda: tmp_path)
+    monkeypatch.setattr(bench, "run_dir", lambda: tmp_path)
     bench.run(cfg)
     steps, summary = stats(tmp_path)
     requests = workload(cfg.job, SamplingParams(), cfg.model.vocab_size)  # ignore_eos: every max_tokens is drawn

@@ -8,12 +8,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine import run
-from engine.config import ConfigError, SamplingConfig, key_help, validate
+from engine.config import SamplingConfig
+from engine.errors import ConfigError, RequestError
 from engine.generation_config import resolve_sampling
-from engine.engine import RequestError
-from engine.llm import Logprob, output_logprobs, prompt_logprobs
+from engine.outputs import Logprob, output_logprobs, prompt_logprobs
 from engine.sequence import SamplingParams, Sequence
+from jobs import cli as run
+from jobs.config import key_help, validate
 from jobs.generate import flat_logprobs, generate_job, row_sampling
 from jobs.inputs import ROW_SAMPLING, openai_sampling
 from jobs.results import generations_schema

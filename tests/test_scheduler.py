@@ -25,8 +25,7 @@ def test_admission_stops_at_the_token_budget_and_chunks_the_rest():
         scheduler.add(make_seq(i, 4))
     batch = scheduler.schedule()
     assert batch.num_new_tokens == [4, 4, 2] and batch.num_tokens == 10
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += n
+    assert [s.num_computed_tokens for s in batch.seqs] == [4, 4, 2]  # counted when their slots were allocated
     follow_up = scheduler.schedule()  # the chunked prompt continues before any decode
     assert follow_up.phase == "prefill" and [s.seq_id for s in follow_up.seqs] == [2] and follow_up.num_new_tokens == [2]
 
@@ -53,7 +52,7 @@ def test_freed_blocks_are_reused_and_nothing_leaks(make_config):
     # 8 blocks of 4 tokens; admission needs the prompt's 2 blocks free, so at most 4 run at once, and
     # as they grow to 16 tokens = 4 blocks each, the newest are preempted. (No prefix caching: the five
     # equal prompts would share their blocks.)
-    engine = LLMEngine(make_config("cache.block_size=4", "cache.num_blocks=8", "model.device=cpu",
+    engine = LLMEngine(make_config("cache.block_size=4", "cache.num_blocks=8", "model.max_model_len=32", "model.device=cpu",
                                    "cache.enable_prefix_caching=false"))
     for i in range(5):
         engine.add_request(str(i), list(range(10, 18)), SamplingParams(max_tokens=8, ignore_eos=True))
@@ -70,7 +69,8 @@ def test_freed_blocks_are_reused_and_nothing_leaks(make_config):
 
 
 def test_preemption_frees_the_newest_and_recomputes(make_config):
-    engine = LLMEngine(make_config("cache.block_size=2", "cache.num_blocks=10", "model.device=cpu"))
+    engine = LLMEngine(make_config("cache.block_size=2", "cache.num_blocks=10", "model.max_model_len=20",
+                                   "model.device=cpu"))
     seqs = [engine.add_request(str(i), list(range(1, 7)), SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
     finished = list(engine.run())
     assert len(finished) == 3 and sum(s.preemptions for s in engine.stats.steps) > 0
@@ -108,14 +108,12 @@ def test_admissions_wait_for_a_batch_of_free_slots_while_sequences_decode():
         scheduler.add(make_seq(i, 3))
     first = scheduler.schedule()
     assert len(first.seqs) == 16 and len(scheduler.waiting) == 4
-    for seq, n in zip(first.seqs, first.num_new_tokens):
-        seq.num_computed_tokens += n
+    for seq in first.seqs:
         seq.output_token_ids.append(7)  # the token each drew
     scheduler.finish(first.seqs[0], "stop")
     one_free = scheduler.schedule()
     assert one_free.phase == "decode" and len(one_free.seqs) == 15 and len(scheduler.waiting) == 4
     for seq in one_free.seqs:
-        seq.num_computed_tokens += 1
         seq.output_token_ids.append(7)
     scheduler.finish(first.seqs[1], "stop")
     two_free = scheduler.schedule()

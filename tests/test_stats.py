@@ -4,11 +4,13 @@ from types import SimpleNamespace
 import pytest
 
 from engine.block_manager import KVBlockManager, internal_waste
-from engine.engine import LLMEngine
 from engine.kv_cache import bytes_per_block
+from engine.llm import LLM
 from engine.sequence import SamplingParams
-from engine.stats import STEPS_SCHEMA, StatsRecorder, snapshot
-from jobs.common import drive, run_summary
+from engine.stats import STEPS_SCHEMA, StatsRecorder, snapshot, steps_table
+from jobs.common import summary_row
+from jobs.config import engine_config_of
+from jobs.processor import run_of
 
 
 def take_snapshot(manager, max_model_len, step=0, running=None):
@@ -78,11 +80,16 @@ def test_counterfactual_when_the_contiguous_cache_could_not_hold_the_batch():
 def run_engine(make_config, requests, *overrides):
     cfg = make_config("model.device=cpu", "model.max_model_len=64", "cache.block_size=4", "cache.num_blocks=32",
                       *overrides)
-    engine = LLMEngine(cfg)
-    for i, (prompt_len, max_tokens) in enumerate(requests):
-        engine.add_request(str(i), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    output_tokens = drive(engine, len(requests), lambda seq: None)
-    return engine, cfg, output_tokens
+    llm = LLM.from_config(engine_config_of(cfg))
+    outs = llm.generate([list(range(1, prompt_len + 1)) for prompt_len, _ in requests],
+                        [SamplingParams(max_tokens=max_tokens, ignore_eos=True) for _, max_tokens in requests])
+    return llm, sum(len(out.outputs[0].token_ids) for out in outs)
+
+
+def summary_of(llm: LLM, num_requests: int, prompt_tokens: int, output_tokens: int) -> dict:
+    counts = {"num_requests": num_requests, "num_errors": 0, "prompt_tokens": prompt_tokens,
+              "output_tokens": output_tokens}
+    return summary_row("generate", run_of(llm), counts)
 
 
 def test_utilization_recomputed_by_hand_on_a_tiny_trace(make_config):
@@ -92,8 +99,8 @@ def test_utilization_recomputed_by_hand_on_a_tiny_trace(make_config):
     #   step 1, decode:          lengths 6, 4 -> 12 slots, 10 stored, waste 2 + 0
     #   step 2, decode of A:     lengths 7, 4 -> 12 slots, 11 stored, waste 1 + 0; B finishes
     #   (then A's last token is resolved with no step of its own)
-    engine, cfg, output_tokens = run_engine(make_config, [(5, 3), (3, 2)])
-    rows = engine.stats.table().to_pylist()
+    llm, output_tokens = run_engine(make_config, [(5, 3), (3, 2)])
+    rows = llm.stats().table().to_pylist()
     assert [r["phase"] for r in rows] == ["prefill", "decode", "decode"]
     assert [r["seqs"] for r in rows] == [2, 2, 1]
     assert [r["stored_tokens"] for r in rows] == [8, 10, 11]
@@ -108,7 +115,7 @@ def test_utilization_recomputed_by_hand_on_a_tiny_trace(make_config):
     assert [r["contiguous_kv_utilization_pct"] for r in rows] == pytest.approx(contiguous)
     assert [r["block_table_bytes"] for r in rows] == [12, 12, 12]
 
-    summary = run_summary(engine, cfg, 2, 0, 8, output_tokens)
+    summary = summary_of(llm, 2, 8, output_tokens)
     assert output_tokens == 5
     assert summary["mean_paged_kv_utilization_pct"] == pytest.approx(sum(util) / 3)
     assert summary["peak_paged_kv_utilization_pct"] == pytest.approx(100 * 11 / 12)
@@ -124,27 +131,27 @@ def test_utilization_recomputed_by_hand_on_a_tiny_trace(make_config):
 def test_counterfactual_on_an_engine_trace(make_config):
     # 32 blocks of 4 = 128 slots and max_model_len 64: a contiguous cache of that memory holds 2 sequences.
     # Four requests (prompt 4, 4 tokens) all run at once: lengths 4, 5, 6, 7 over four steps.
-    engine, cfg, output_tokens = run_engine(make_config, [(4, 4)] * 4)
-    rows = engine.stats.table().to_pylist()
+    llm, output_tokens = run_engine(make_config, [(4, 4)] * 4)
+    rows = llm.stats().table().to_pylist()
     assert [r["stored_tokens"] for r in rows] == [16, 20, 24, 28]
     contiguous = [100 * 16 / 256, 100 * 20 / 256, 100 * 24 / 256, 100 * 28 / 256]
     paged = [100.0, 100 * 5 / 8, 100 * 6 / 8, 100 * 7 / 8]
     assert [r["contiguous_kv_utilization_pct"] for r in rows] == pytest.approx(contiguous)
     assert [r["paged_kv_utilization_pct"] for r in rows] == pytest.approx(paged)
-    summary = run_summary(engine, cfg, 4, 0, 16, output_tokens)
+    summary = summary_of(llm, 4, 16, output_tokens)
     assert summary["contiguous_max_concurrent_seqs"] == 2 and summary["max_running_seqs"] == 4
     assert summary["contiguous_kv_utilization_pct"] == pytest.approx(8.59375)
     assert summary["mean_paged_kv_utilization_pct"] == pytest.approx(81.25)
 
 
 def test_summary_has_the_fields_of_the_sweep(make_config):
-    engine, cfg, output_tokens = run_engine(make_config, [(6, 5), (9, 3), (2, 7)], "cache.block_size=8",
+    llm, output_tokens = run_engine(make_config, [(6, 5), (9, 3), (2, 7)], "cache.block_size=8",
                                             "cache.num_blocks=null", "cache.kv_budget_gb=0.0001")
-    summary = run_summary(engine, cfg, 3, 0, 17, output_tokens)
+    summary = summary_of(llm, 3, 17, output_tokens)
     per_block = 2 * 2 * 2 * 8 * 16 * 4  # K and V, 2 layers, 2 kv heads, 8 tokens, head_dim 16, float32
     assert summary["block_size"] == 8 and summary["num_blocks"] == int(0.0001 * 1e9 // per_block)
     assert summary["kv_budget_bytes"] == summary["num_blocks"] * per_block
-    assert per_block == bytes_per_block(engine.model.kv_cache_spec, 8, engine.dtype)
+    assert per_block == bytes_per_block(llm.engine.model.kv_cache_spec, 8, llm.engine.dtype)
     assert summary["kv_slots"] == summary["num_blocks"] * 8
     for name in ("peak_blocks_used", "peak_paged_kv_utilization_pct", "mean_paged_kv_utilization_pct",
                  "mean_internal_waste_pct", "max_running_seqs", "mean_running_seqs", "preemptions",
@@ -152,12 +159,12 @@ def test_summary_has_the_fields_of_the_sweep(make_config):
                  "contiguous_max_concurrent_seqs", "wall_time_s"):
         assert name in summary
     assert summary["output_tok_per_s"] == pytest.approx(output_tokens / summary["wall_time_s"])
-    assert summary["wall_time_s"] == pytest.approx(sum(s.step_time_s for s in engine.stats.steps))
+    assert summary["wall_time_s"] == pytest.approx(sum(s.step_time_s for s in llm.stats().steps))
 
 
 def test_no_steps_still_gives_a_table_and_a_summary():
     recorder = StatsRecorder()
-    assert recorder.table().schema == STEPS_SCHEMA and recorder.table().num_rows == 0
+    assert steps_table(recorder.steps).schema == STEPS_SCHEMA and steps_table(recorder.steps).num_rows == 0
     summary = recorder.summary(num_blocks=10, block_size=16, max_model_len=64)
     assert summary["num_steps"] == 0 and summary["mean_paged_kv_utilization_pct"] == 0.0
     assert summary["contiguous_max_concurrent_seqs"] == 2

@@ -25,7 +25,7 @@ def engine_run(*args):
 def test_kv_budget_gives_every_block_size_the_same_memory(make_config):
     budget = 0.001
     for block_size in (1, 8, 16, 32, 64, 128):
-        cfg = make_config(f"cache.block_size={block_size}", f"cache.kv_budget_gb={budget}")
+        cfg = make_config(f"cache.block_size={block_size}", f"cache.kv_budget_gb={budget}", "model.max_model_len=512")
         arch = model_spec(cfg.model, None)[1]
         spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
         per_block = bytes_per_block(spec, block_size, torch.float32)
@@ -36,7 +36,7 @@ def test_kv_budget_gives_every_block_size_the_same_memory(make_config):
 def test_multirun_sweep_then_analyze(tmp_path):
     sweep_dir = tmp_path / "sweep"
     result = engine_run("-m", "job=bench", f"cache.block_size={','.join(map(str, BLOCK_SIZES))}",
-                        "cache.kv_budget_gb=0.0005", "job.num_prompts=6", "job.input_len=[8,40]",
+                        "cache.kv_budget_gb=0.0005", "model.max_model_len=512", "job.num_prompts=6", "job.input_len=[8,40]",
                         "job.output_len=[4,12]", "scheduler.max_num_seqs=4", f"hydra.sweep.dir={sweep_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = sorted(sweep_dir.rglob("summary.parquet"))

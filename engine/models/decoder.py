@@ -10,9 +10,10 @@ qkv_proj and gate/up_proj into gate_up_proj (packed_modules_mapping says which s
 
 A model file (engine/models/<name>.py, listed in engine/models/registry.py) subclasses DecoderForCausalLM
 and says how its config.json sets the flags (arch_options) and how transformers' config of the same model
-reads them back (config_options, for to_hf_model). What the engine uses of a model: forward,
-compute_logits, kv_cache_spec, arch (sizes), model.embed_tokens and lm_head (the bench's floor); the
-loader: packed_modules_mapping and each PackedLinear's shards.
+reads them back (config_options, for to_hf_model). What the engine uses of a model: forward and its
+pieces (num_pieces, piece, attend: engine/cuda_graphs.py's PiecewiseGraphs), compute_logits, kv_cache_spec,
+arch (sizes), dtype and weight_footprint (the bench's floor); the loader: packed_modules_mapping, each
+PackedLinear's shards, fold_norm_weights and FOLDED_NORMS.
 """
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from torch import nn
 
 import ops
 from engine.attention import PagedAttention
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec
 from engine.models.layers import PackedLinear, RMSNorm, add_linear_
 from engine.models.rope import Rope, RotaryEmbedding, rope_from_config
@@ -59,7 +60,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
 
-    def rotated_q(self, hidden, input_norm_eps, positions, rotary, key_cache, value_cache, slot_mapping, out=None):
+    def project_and_write_kv(self, hidden, input_norm_eps, positions, rotary, key_cache, value_cache, slot_mapping,
+                             out=None):
         """The projections of the residual stream hidden [T, hidden_size] (the layer's input RMSNorm folded
         into qkv_proj's weight), then, in one kernel, the norm's row scale, the bias, the QK-norm, RoPE and
         the step's K/V into the cache -> the rotated q [T, Hq, D] (into out when given)."""
@@ -86,42 +88,52 @@ class DecoderMLP(nn.Module):
         add_linear_(hidden, act, self.down_proj)
 
 
+# A layer's RMSNorms whose weights fold_norm_weights moves into the projections after them (and removes)
+FOLDED_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
 class DecoderLayer(nn.Module):
-    """A layer over the residual stream, which it updates in place. Once fold_norm_weights has run (the loader
-    runs it), each RMSNorm's weight lives in the projection after it and the norm itself holds ones: the
-    projections read the raw stream, and the kernel after each (the RoPE's, the SiLU's) applies the row
-    scale rsqrt(mean(x^2) + eps). A decode step saves two norm kernels a layer; the sums into the stream
-    happen in o_proj's and down_proj's matmuls (add_linear_)."""
+    """A layer over the residual stream, which it updates in place, in three parts: before_attention (which
+    writes the step's K/V), attend, after_attention. Its two RMSNorms (FOLDED_NORMS) hold a checkpoint's
+    weights until fold_norm_weights (the loader runs it) moves each into the projection after it and removes
+    the norm, leaving its epsilon (norm_eps): the projections read the raw stream, and the kernel after each
+    (the RoPE's, the SiLU's) applies the row scale rsqrt(mean(x^2) + eps). A decode step saves two norm
+    kernels a layer; the sums into the stream happen in o_proj's and down_proj's matmuls (add_linear_)."""
 
     def __init__(self, arch: DecoderArch):
         super().__init__()
         self.self_attn = DecoderAttention(arch)
         self.mlp = DecoderMLP(arch)
+        self.norm_eps = arch.rms_norm_eps
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, hidden, positions, rotary, key_cache, value_cache, meta):
-        """The residual stream hidden [T, hidden_size], updated in place and returned."""
-        q = self.before_attention(hidden, positions, rotary, key_cache, value_cache, meta.slot_mapping)
-        return self.after_attention(self.self_attn.attn.attend(q, key_cache, value_cache, meta), hidden)
-
     def before_attention(self, hidden, positions, rotary, key_cache, value_cache, slot_mapping, q_out=None):
-        """-> the rotated q: everything before attention proper, which needs only the step's tokens."""
-        return self.self_attn.rotated_q(hidden, self.input_layernorm.eps, positions, rotary, key_cache, value_cache,
-                                        slot_mapping, q_out)
+        """-> the rotated q [T, Hq, D]: everything before attention proper, which needs only the step's tokens."""
+        return self.self_attn.project_and_write_kv(hidden, self.norm_eps, positions, rotary, key_cache, value_cache,
+                                                   slot_mapping, q_out)
+
+    def attend(self, q, key_cache, value_cache, meta, out=None):
+        """Rotated q [T, Hq, D] -> attention output [T, Hq * D] (a view of out [T, Hq, D] when given)."""
+        return self.self_attn.attn.attend(q, key_cache, value_cache, meta, out)
 
     def after_attention(self, attn_out, hidden):
         """attention output [T, Hq * D]: hidden += o_proj(attn_out), then hidden += mlp(norm(hidden)) -> hidden."""
         add_linear_(hidden, attn_out, self.self_attn.o_proj)
-        self.mlp.add_to(hidden, self.post_attention_layernorm.eps)
+        self.mlp.add_to(hidden, self.norm_eps)
         return hidden
 
     def fold_norm_weights(self) -> None:
         self.input_layernorm.fold_into(self.self_attn.qkv_proj)
         self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
+        for name in FOLDED_NORMS:
+            delattr(self, name)
 
 
 class DecoderModel(nn.Module):
+    """The decoder's modules under Hugging Face's names (model.embed_tokens, model.layers.i, model.norm);
+    DecoderForCausalLM's pieces run them."""
+
     def __init__(self, arch: DecoderArch, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
@@ -129,14 +141,51 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope, max_positions)
 
-    def forward(self, input_ids, positions, kv_cache, meta):
-        hidden = self.embed_tokens(input_ids)
-        for layer, key_cache, value_cache in zip(self.layers, kv_cache.key_caches, kv_cache.value_caches):
-            layer(hidden, positions, self.rotary, key_cache, value_cache, meta)
-        return self.norm(hidden)
+
+@dataclass
+class ForwardState:
+    """What a forward's pieces pass on. Set by the caller: the step's token inputs [T] (input_ids, positions,
+    slot_mapping: each row's cache slot, -1: none) and q_out, where every layer's rotated q goes (None: new
+    tensors). Set by the pieces: hidden, the residual stream [T, hidden_size] (the final hidden states after
+    the last piece); q, the rotated q [T, Hq, D] of the layer about to attend. Set by the caller of attend:
+    attn_out, that layer's attention output [T, Hq * D]."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_out: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    attn_out: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class WeightFootprint:
+    """What a forward pass reads of a model's weights (the bench's floor). nonembed_params: the checkpoint's
+    parameters but the token embedding and the lm_head (norms included, the folded ones too); lm_head_params:
+    vocab * hidden, also when the head is tied to the embedding (the logits' matmul happens anyway);
+    bytes_per_step: the bytes of both, each parameter by its dtype, a tied weight once (of the embedding a
+    pass reads only its tokens' rows: not counted)."""
+
+    nonembed_params: int
+    lm_head_params: int
+    bytes_per_step: int
 
 
 class DecoderForCausalLM(nn.Module):
+    """The decoder and its LM head. The forward is declared once, as num_pieces = num_layers + 1 pieces with
+    each layer's attention between two:
+
+        piece 0          the embedding, then layer 0 before its attention
+        attend i         layer i's attention
+        piece i + 1      layer i after its attention, then layer i + 1 before its attention (the last piece:
+                         the final norm instead)
+
+    and compute_logits, the head, after them. A piece depends only on the step's tokens (its kernels' grids
+    only on their count), an attention call also on its sequences (lengths, blocks, groups). forward runs
+    the pieces and attention in turn; engine/cuda_graphs.py's PiecewiseGraphs captures each piece as a CUDA
+    graph per token count and runs the attention between them eagerly."""
+
     model_type = ""  # transformers' model_type of the same architecture
     # checkpoint projection -> (the PackedLinear it goes into, its shard there)
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -153,12 +202,59 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_cache, meta):
         """Final hidden states [T, hidden_size]; compute_logits takes the rows that need logits."""
-        return self.model(input_ids, positions, kv_cache, meta)
+        state = ForwardState(input_ids, positions, meta.slot_mapping)
+        for index in range(self.num_pieces):
+            self.piece(index, state, kv_cache)
+            if index < self.arch.num_hidden_layers:
+                state.attn_out = self.attend(index, state.q, kv_cache, meta)
+        return state.hidden
+
+    @property
+    def num_pieces(self) -> int:
+        return self.arch.num_hidden_layers + 1
+
+    def piece(self, index: int, state: ForwardState, kv_cache) -> None:
+        """Piece `index` of the forward, on `state`: the embedding of its input_ids into hidden (piece 0), or
+        layer index - 1 finished from attn_out (hidden updated in place; q and attn_out dropped, so that a
+        layer's tensors are freed before the next layer's exist); then layer `index` up to its attention (q;
+        the step's K/V into kv_cache), or, in the last piece, the final norm (hidden)."""
+        decoder = self.model
+        if index == 0:
+            state.hidden = decoder.embed_tokens(state.input_ids)
+        else:
+            decoder.layers[index - 1].after_attention(state.attn_out, state.hidden)
+            state.q = state.attn_out = None
+        if index == self.arch.num_hidden_layers:
+            state.hidden = decoder.norm(state.hidden)
+            return
+        state.q = decoder.layers[index].before_attention(
+            state.hidden, state.positions, decoder.rotary, kv_cache.key_caches[index], kv_cache.value_caches[index],
+            state.slot_mapping, state.q_out)
+
+    def attend(self, index: int, q, kv_cache, meta, out=None):
+        """Layer `index`'s attention, between piece index and piece index + 1: its rotated q [T, Hq, D] ->
+        [T, Hq * D] (a view of out [T, Hq, D] when given)."""
+        return self.model.layers[index].attend(q, kv_cache.key_caches[index], kv_cache.value_caches[index], meta, out)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weights' dtype, which is the activations'."""
+        return self.lm_head.weight.dtype
+
+    def weight_footprint(self) -> WeightFootprint:
+        """The footprint of a model whose norms are folded (build_model's): a folded norm counts as the
+        hidden_size parameters it was, in the model's dtype."""
+        embed, head = self.model.embed_tokens.weight, self.lm_head.weight
+        weights = [p for p in self.parameters() if p is not embed or p is head]  # a tied weight once
+        folded = len(FOLDED_NORMS) * self.arch.num_hidden_layers * self.arch.hidden_size
+        params = sum(p.numel() for p in weights) + folded
+        nbytes = sum(p.numel() * p.element_size() for p in weights) + folded * self.dtype.itemsize
+        return WeightFootprint(params - head.numel(), head.numel(), nbytes)
 
     @torch.no_grad()
     def fold_norm_weights(self) -> None:
-        """Each layer's two RMSNorm weights into the projections after them (DecoderLayer says why): the
-        function the model computes is unchanged, and its state dict still describes it (norms of ones)."""
+        """Each layer's two RMSNorm weights into the projections after them, the norms removed (DecoderLayer
+        says why): the function the model computes is unchanged; to_hf_model gives the norms back as ones."""
         for layer in self.model.layers:
             layer.fold_norm_weights()
 

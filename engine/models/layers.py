@@ -18,10 +18,10 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
     def fold_into(self, linear: nn.Linear) -> None:
-        """Moves this norm's weight into the columns of the linear layer that reads the norm's output (W ->
-        W * weight), leaving ones: linear(norm(x)) = linear'(x) * rsqrt(mean(x^2) + eps), plus the bias."""
+        """Multiplies this norm's weight into the columns of the linear layer that reads the norm's output (W ->
+        W * weight): linear(norm(x)) = linear'(x) * rsqrt(mean(x^2) + eps), plus the bias. The norm is spent:
+        its owner removes it."""
         linear.weight.mul_(self.weight)
-        self.weight.fill_(1.0)
 
 
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

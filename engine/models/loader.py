@@ -4,7 +4,6 @@ resolved to its snapshot in the local hub cache), or with seeded random weights 
 checkpoint's, or one made of the model.* keys): its architectures pick the class, which reads its arch."""
 import functools
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -14,10 +13,11 @@ from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, R
 from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
-from engine.config import ConfigError
-from engine.models.decoder import DecoderArch, DecoderForCausalLM
+from engine.errors import ConfigError
+from engine.models.decoder import FOLDED_NORMS, DecoderArch, DecoderForCausalLM, DecoderLayer
 from engine.models.layers import PackedLinear
 from engine.models.registry import model_class
+from engine.models.rope import is_positive
 
 # What a hub snapshot needs: config.json, generation_config.json, the weights (and their index), tokenizer files.
 HUB_FILES = ["*.json", "*.safetensors", "merges.txt", "tokenizer.model", "*.jinja"]
@@ -66,9 +66,9 @@ def _hub_snapshot(repo_id: str, cache_dir: str) -> Path:
         raise ConfigError(f"model.path {repo_id!r}: downloading it from the Hugging Face Hub failed: {err}") from None
 
 
-def read_checkpoint_config(path: Path) -> dict:
-    """config.json of a checkpoint directory, as a dict; ConfigError naming the file if it cannot be read."""
-    file = path / "config.json"
+def read_json_config(file: Path) -> dict:
+    """A checkpoint's JSON file (config.json, generation_config.json) as a dict; ConfigError naming the file
+    and what is wrong with it if it cannot be read or holds no JSON object."""
     try:
         config = json.loads(file.read_text())
     except json.JSONDecodeError as err:
@@ -86,16 +86,9 @@ def check_shape_values(config: dict, where: str) -> None:
     if missing:
         raise ConfigError(f"{where} lacks {', '.join(missing)}")
     bad = [f"{key}={config[key]!r}" for key in (*COUNT_KEYS, *SCALE_KEYS)
-           if config.get(key) is not None and not _positive(config[key], int if key in COUNT_KEYS else float)]
+           if config.get(key) is not None and not is_positive(config[key], int if key in COUNT_KEYS else float)]
     if bad:
         raise ConfigError(f"{where} has impossible values: {', '.join(bad)}")
-
-
-def _positive(value, kind: type) -> bool:
-    """A positive int (kind int) or a positive finite number (kind float); a bool is neither."""
-    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
-        return False
-    return value > 0 and math.isfinite(value)
 
 
 def random_weights_config(model_cfg) -> dict:
@@ -114,14 +107,18 @@ def model_spec(model_cfg, path: Path | None) -> tuple[type[DecoderForCausalLM], 
     """The model's class, arch and EOS token ids: from the config.json of the checkpoint at `path`, or,
     path None, from model.* (random weights)."""
     if path:
-        config, where = read_checkpoint_config(path), f"model.path: {path / 'config.json'}"
-        eos = config.get("eos_token_id")
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        config, where = read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}"
+        eos = eos_ids(config.get("eos_token_id"))
     else:
         config, where, eos = random_weights_config(model_cfg), "model", [model_cfg.eos_token_id]
     check_shape_values(config, where)
     cls = model_class(config, where)
     return cls, cls.arch_from_config(config, where), eos
+
+
+def eos_ids(value) -> list[int]:
+    """An eos_token_id entry (absent, an int or a list) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def check_checkpoint(path: Path) -> None:
@@ -229,9 +226,14 @@ def to_hf_model(model: DecoderForCausalLM):
 
 
 def unpacked_state_dict(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under Hugging Face's names, each PackedLinear split back into its projections."""
+    """Our parameters under Hugging Face's names, each PackedLinear split back into its projections, and the
+    folded norms as the ones they are now (their weights live in the projections after them)."""
     projection = {packed: name for name, packed in model.packed_modules_mapping.items()}  # (packed, shard) -> name
     modules, state = dict(model.named_modules()), {}
+    ones = torch.ones(model.arch.hidden_size, dtype=model.dtype, device=model.lm_head.weight.device)
+    for name, module in modules.items():
+        if isinstance(module, DecoderLayer):
+            state.update({f"{name}.{norm}.weight": ones for norm in FOLDED_NORMS})
     for name, tensor in model.state_dict().items():
         module_path, _, leaf = name.rpartition(".")
         module = modules[module_path]

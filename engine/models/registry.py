@@ -1,6 +1,6 @@
 """Which model runs a checkpoint, keyed by the `architectures` entry of its config.json (transformers'
 class name). A new architecture is a file in engine/models/ and its class in MODELS."""
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM

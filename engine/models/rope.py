@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 ROPE_TYPES = ("default", "llama3")
 DEFAULT_THETA = 10000.0  # transformers' default for every supported model
@@ -46,22 +46,26 @@ def rope_from_config(config: dict, where: str) -> Rope:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    if not _positive(theta):
+    if not is_positive(theta):
         raise ConfigError(f"{where}: rope_theta must be a positive number, got {theta!r}")
     if rope_type == "default":
         return Rope(theta)
     missing = [key for key in LLAMA3_KEYS if key not in params]
     if missing:
         raise ConfigError(f"{where}: rope_type 'llama3' needs {', '.join(missing)}")
-    bad = [f"{key}={params[key]!r}" for key in LLAMA3_KEYS if not _positive(params[key])]
+    bad = [f"{key}={params[key]!r}" for key in LLAMA3_KEYS if not is_positive(params[key])]
     if bad or params["high_freq_factor"] <= params["low_freq_factor"]:
         raise ConfigError(f"{where}: rope_type 'llama3' needs positive numbers with high_freq_factor > "
                           f"low_freq_factor, got {', '.join(f'{k}={params[k]!r}' for k in LLAMA3_KEYS)}")
     return Rope(theta, rope_type, **{key: params[key] for key in LLAMA3_KEYS})
 
 
-def _positive(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+def is_positive(value, kind: type = float) -> bool:
+    """Whether a config.json value is a positive int (kind int) or a positive finite number (kind float); a
+    bool is neither."""
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        return False
+    return value > 0 and math.isfinite(value)
 
 
 def inverse_frequencies(rope: Rope, head_dim: int) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""The output processor: finished sequences in, RequestOutputs out (vLLM's shapes).
+
+The engine retires each sample of a request (a Sequence) on its own; OutputProcessor holds them until the
+request's n-th sample has finished, then makes one RequestOutput: the samples by index, each one's text
+(cut before the stop string that ended it, else its tokens decoded), and logprobs as one {token: Logprob}
+mapping per position: the token's own, then the k most likely by rank.
+"""
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token; None for the token drawn when outside the k returned
+
+
+Logprobs = list[dict[int, Logprob]]  # per token: {the token: its Logprob, then the k most likely, by rank}
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # the sample's index among the request's n
+    text: str  # cut before the stop string that ended it (unless include_stop_str_in_output)
+    token_ids: list[int]  # every token drawn, the one that completed a stop string or a stop id included
+    finish_reason: str | None  # stop | length
+    logprobs: Logprobs | None = None  # when SamplingParams.logprobs is not None
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it; None for EOS
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    prompt: str | None  # None for token-id prompts and conversations
+    prompt_token_ids: list[int] | None  # None when the request failed before tokenization
+    outputs: list[CompletionOutput]  # one per sample (SamplingParams.n), by index; empty when the request failed
+    error: str | None = None  # why the request could not run (stream() only; generate() raises)
+    finished: bool = True
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # when SamplingParams.prompt_logprobs is not None
+
+
+class OutputProcessor:
+    """Groups the finished samples of the requests in flight and turns each whole request into its
+    RequestOutput. Invariant: every key expected and not yet returned is in `_requests`, and `_samples`
+    holds its finished samples, fewer than its n."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._requests: dict[str, tuple[Any, str | None]] = {}  # engine key -> (request_id, prompt text)
+        self._samples: dict[str, list] = {}
+
+    @property
+    def num_pending(self) -> int:
+        """Requests expected whose output is not out yet."""
+        return len(self._requests)
+
+    def expect(self, key: str, request_id, prompt: str | None) -> None:
+        """A request queued in the engine under `key` (its sequences' request_id)."""
+        self._requests[key] = (request_id, prompt)
+
+    def clear(self) -> None:
+        self._requests.clear()
+        self._samples.clear()
+
+    def outputs(self, finished: Iterable) -> Iterator[RequestOutput]:
+        """The RequestOutputs of the requests whose last sample is among the `finished` sequences."""
+        for seq in finished:
+            done = self._samples.setdefault(seq.request_id, [])
+            done.append(seq)
+            if len(done) == seq.sampling.n:
+                del self._samples[seq.request_id]
+                yield self._output(*self._requests.pop(seq.request_id), sorted(done, key=lambda s: s.sample_index))
+
+    def _output(self, request_id, prompt: str | None, samples: list) -> RequestOutput:
+        completions = [CompletionOutput(seq.sample_index, self._text(seq), list(seq.output_token_ids), seq.finish_reason,
+                                        output_logprobs(seq), seq.stop_reason) for seq in samples]
+        first = samples[0]
+        return RequestOutput(request_id, prompt, first.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs(first))
+
+    def _text(self, seq) -> str:
+        """The output text: cut at the stop string that ended it, else the tokens decoded, without the
+        stop token (EOS or a stop id) that ended it unless include_stop_str_in_output (as vLLM)."""
+        if seq.output_text is not None:
+            return seq.output_text
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and not seq.sampling.include_stop_str_in_output:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _logprob_dicts(token_ids, logprobs, tops) -> list[dict[int, Logprob] | None]:
+    """Per position: {its token: Logprob, the k most likely tokens: theirs, by rank}; None where the
+    logprob is None (the first prompt token)."""
+    positions = []
+    for token, logprob, top in zip(token_ids, logprobs, tops or [None] * len(logprobs)):
+        ranked = {t: Logprob(value, rank) for rank, (t, value) in enumerate(top or (), 1)}
+        positions.append(None if logprob is None else {token: ranked.get(token, Logprob(logprob)), **ranked})
+    return positions
+
+
+def output_logprobs(seq) -> Logprobs | None:
+    if seq.sampling.logprobs is None:
+        return None
+    return _logprob_dicts(seq.output_token_ids, seq.output_logprobs, seq.top_logprobs)
+
+
+def prompt_logprobs(seq) -> list[dict[int, Logprob] | None] | None:
+    if seq.sampling.prompt_logprobs is None:
+        return None
+    return _logprob_dicts(seq.prompt_token_ids, seq.prompt_logprobs, seq.prompt_top_logprobs)

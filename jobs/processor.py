@@ -1,0 +1,54 @@
+"""What a job hands an executor (a Processor) and what it gets back (a Run); the executors themselves are
+jobs/executors.py (local) and jobs/ray_executor.py.
+
+A Processor has the shape of Ray Data LLM's processor: how each input row becomes a Request (preprocess),
+how each RequestOutput becomes output rows (postprocess), and what an engine must check or prepare before
+its first row (setup) and do after its last (finish). Rows are (key, fields) pairs, the key an int unique
+in the job (an input row number, a request number); every output row of postprocess carries its request's
+key in "row".
+"""
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from engine.llm import LLM, Request, RequestOutput
+
+Rows = Iterable[tuple[int, Any]]
+
+
+class Processor:
+    """What a job supplies to an executor. It is pickled to every engine of executor=ray, so it holds
+    only plain values (the job's settings), and setup() builds what an engine needs from its LLM."""
+
+    output_schema: pa.Schema  # of the rows postprocess returns
+    chat_template_kwargs: dict | None = None  # passed to the chat template of every conversation
+
+    def setup(self, llm: LLM) -> None:
+        """Once per engine, before its first request: checks (a chat template where needed) and state."""
+
+    def preprocess(self, key: int, fields: Any) -> Request:
+        raise NotImplementedError
+
+    def postprocess(self, out: RequestOutput) -> list[dict]:
+        raise NotImplementedError
+
+    def finish(self, llm: LLM) -> None:
+        """Once per engine of executor=local, after its last request and its statistics."""
+
+
+@dataclass
+class Run:
+    """What an executor hands back: steps.parquet's table, and the summary's columns that come from the
+    engines (engine.llm.EngineSettings' fields, the run's figures, the sampler's fallbacks, and an
+    executor's own timings)."""
+
+    steps: pa.Table
+    summary: dict
+
+
+def run_of(llm: LLM) -> Run:
+    """The Run of one engine: its steps, its settings and the figures of its run."""
+    stats = llm.stats()
+    return Run(stats.table(), {**asdict(llm.settings()), **stats.figures, "sampler_fallbacks": stats.sampler_fallbacks})
