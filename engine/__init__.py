@@ -10,7 +10,8 @@ import importlib
 
 _EXPORTS = {"LLM": "engine.llm", "Request": "engine.llm", "RequestOutput": "engine.outputs",
             "CompletionOutput": "engine.outputs", "Logprob": "engine.outputs",
-            "SamplingParams": "engine.sequence", "RequestError": "engine.errors"}
+            "SamplingParams": "engine.sequence",
+            "StructuredOutputsParams": "engine.structured", "RequestError": "engine.errors"}
 __all__ = list(_EXPORTS)
 
 

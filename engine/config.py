@@ -10,7 +10,7 @@ import dataclasses
 import math
 import os
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +19,7 @@ import yaml
 
 from engine.errors import ConfigError, did_you_mean
 from engine.sequence import FIELD_KINDS, SamplingParams, takes_one_value
+from engine.structured import StructuredOutputsParams
 
 # conf/ is installed beside engine/ (pyproject.toml's package data)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -80,9 +81,10 @@ class SchedulerConfig:
 def _config_type(name: str):
     """The config key's type for SamplingParams field `name`: its type (lists for tuples), or null. A list
     field that also takes one element alone (sampling.stop=QQQ) is untyped here, as OmegaConf has no union
-    of a list and a value: SamplingParams checks it (sampling_params, in validate)."""
+    of a list and a value, and so is structured_outputs (a mapping or its JSON text): SamplingParams checks
+    them (sampling_params, in validate)."""
     element, many, _ = FIELD_KINDS[name]
-    if takes_one_value(name):
+    if takes_one_value(name) or element is StructuredOutputsParams:
         return Any
     return Optional[list[element]] if many else Optional[element]
 
@@ -258,10 +260,18 @@ def cpu_threads(model_cfg, hidden_size: int) -> int:
 
 def set_sampling(sampling_cfg) -> dict:
     """The sampling.* keys that are set (not null), by SamplingParams field, as plain values (a list for
-    any sequence of values)."""
+    any sequence of values, a dict for any mapping, inside them too)."""
     values = {f.name: getattr(sampling_cfg, f.name) for f in dataclasses.fields(SamplingParams)}
-    return {name: list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
-            for name, value in values.items() if value is not None}
+    return {name: plain(value) for name, value in values.items() if value is not None}
+
+
+def plain(value):
+    """`value` with every mapping a dict and every sequence but text a list (a composed config's nodes)."""
+    if isinstance(value, Mapping):
+        return {key: plain(v) for key, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [plain(v) for v in value]
+    return value
 
 
 def sampling_params(sampling_cfg) -> SamplingParams:

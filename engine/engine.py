@@ -1,4 +1,5 @@
 """The generate loop: requests in, finished sequences out (streamed as they finish)."""
+import functools
 import itertools
 import logging
 from collections.abc import Iterator
@@ -8,6 +9,7 @@ import torch
 
 from engine.block_manager import KVBlockManager, blocks_needed
 from engine.config import cpu_threads
+from engine.constraint import Constraint
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, RequestError
 from engine.generation_config import read_generation_config, stop_ids
@@ -15,10 +17,12 @@ from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
 from engine.prefix_groups import CascadePolicy
+from engine.reasoning import reasoning_parser as make_reasoning_parser
 from engine.sampler import MAX_LOGPROBS, compile_samplers
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.stats import StatsRecorder, snapshot
+from engine.structured import GrammarCompiler, StructuredOutputsParams
 from engine.tokenizer import load_tokenizer
 from engine.watchdog import stalled, step_deadline_s, wait_until
 
@@ -27,6 +31,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # (max_num_seqs, max_num_batched_tokens) when the config leaves them unset: on CUDA what measured best on
 # an H200 (benchmarks/NOTES.md); on the CPU small batches, where a step's cost grows with its tokens.
 SCHEDULER_DEFAULTS = {"cuda": (512, 16384), "cpu": (64, 2048)}
+GRAMMAR_TIMEOUT_S = 60.0  # a constraint's grammar must compile within this
 
 
 def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
@@ -64,8 +69,10 @@ def piecewise_graphs_on(model_cfg, device: torch.device) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, cfg, run_dir: Path | None = None):
-        """run_dir: where a stalled step's inputs are saved (engine/watchdog.py); None: a temporary directory."""
+    def __init__(self, cfg, run_dir: Path | None = None, reasoning_parser: str | None = None):
+        """run_dir: where a stalled step's inputs are saved (engine/watchdog.py), None: a temporary directory;
+        reasoning_parser: engine/reasoning.py's name of the model's reasoning format, whose end is where a
+        structured-output constraint starts."""
         self.cfg = cfg
         self.run_dir = run_dir
         self.max_model_len = cfg.model.max_model_len
@@ -76,6 +83,7 @@ class LLMEngine:
         if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
             torch.set_num_threads(cpu_threads(cfg.model, self.model.arch.hidden_size))
         self.tokenizer = load_tokenizer(cfg.model)
+        self.reasoning_parser = make_reasoning_parser(reasoning_parser, self.tokenizer) if reasoning_parser else None
         self.block_size = cfg.cache.block_size
         self.prefix_caching = cfg.cache.enable_prefix_caching
         max_num_seqs, max_num_batched_tokens = scheduler_limits(cfg.scheduler, self.device)
@@ -142,6 +150,9 @@ class LLMEngine:
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
         samples = [Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling.sample(i),
                             max_num_tokens, sample_index=i) for i in range(sampling.n)]
+        if sampling.structured_outputs is not None:  # each sample its own matcher
+            for seq in samples:
+                seq.constraint = self._constraint(sampling.structured_outputs, seq.prompt_token_ids)
         first, rest = samples[0], samples[1:]
         self.block_manager.hash_known_blocks(first, *rest)
         if sampling.stop:
@@ -154,6 +165,27 @@ class LLMEngine:
         else:
             first.held_samples = rest
         return first
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler of this engine's tokenizer, built when the first constrained request comes."""
+        return GrammarCompiler(self.tokenizer, self.model.arch.vocab_size, eos_token_ids=self.eos_token_ids)
+
+    def check_grammar(self, params: StructuredOutputsParams) -> None:
+        """RequestError naming the field when the constraint's grammar does not compile (compiled once per
+        text, on the compiler's threads; this waits for it)."""
+        try:
+            self.grammars.new_matcher(params, GRAMMAR_TIMEOUT_S)
+        except (ValueError, TimeoutError) as err:
+            raise RequestError(str(err)) from None
+
+    def _constraint(self, params: StructuredOutputsParams, prompt_token_ids: list[int]) -> Constraint:
+        """A fresh matcher of the (checked) grammar; with a reasoning parser, active only once the prompt or
+        the outputs have closed the reasoning."""
+        matcher, parser = self.grammars.new_matcher(params, GRAMMAR_TIMEOUT_S), self.reasoning_parser
+        if parser is None:
+            return Constraint(matcher)
+        return Constraint(matcher, parser.reasoning_ended(prompt_token_ids, []), parser.end_token_id)
 
     def check_request(self, prompt_len: int, sampling: SamplingParams) -> None:
         if prompt_len == 0:
@@ -177,7 +209,7 @@ class LLMEngine:
         the device still runs step N."""
         batch = self.scheduler.schedule()
         stats = snapshot(len(self.stats.steps), batch, self.scheduler, self.block_manager, self.max_model_len)
-        launched = self.runner.launch(batch, self._in_flight, stats.step) if batch.seqs else None
+        launched = self.runner.launch(batch, self._in_flight, stats.step, self._tokens) if batch.seqs else None
         stats.cascade_rows = self.runner.cascade_rows if batch.seqs else 0
         self._account(batch)
         finished = self._resolve(self._in_flight) if self._in_flight else []
@@ -214,6 +246,8 @@ class LLMEngine:
             seq.output_token_ids[index] = token
             if logprobs is not None:
                 logprobs.add_output(seq, row)
+            if seq.constraint is not None:
+                seq.constraint.advance(seq.output_token_ids[:index + 1])
             reason = self._finish_reason(seq, token, index)
             if reason:
                 seq.truncate_outputs(index + 1)  # a token drawn after the stop, still in flight
@@ -244,6 +278,9 @@ class LLMEngine:
             return "stop"
         if seq.detokenizer is not None and self._stop_string(seq, token, stopping):
             return "stop"
+        if seq.constraint is not None and seq.constraint.finished:  # the grammar is complete: all of it is text
+            seq.output_text = self.tokenizer.decode(seq.output_token_ids[:index + 1], skip_special_tokens=True)
+            return "stop"
         if len(seq.prompt_token_ids) + index + 1 >= seq.max_num_tokens:
             return "length"
         return None
@@ -262,8 +299,11 @@ class LLMEngine:
         return found is not None
 
     def close(self) -> None:
-        """Free the KV cache and the CUDA graphs; the engine cannot step afterwards."""
+        """Free the KV cache and the CUDA graphs, and stop the grammar compiler's threads; the engine cannot
+        step afterwards."""
         self.runner = self.kv_cache = None
+        if "grammars" in self.__dict__:  # built (a cached_property) by a constrained request
+            self.grammars.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

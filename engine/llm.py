@@ -84,24 +84,26 @@ class RunStats:
 
 
 class LLM:
-    def __init__(self, model: str = "tiny", **engine_options):
-        self._start(engine_config(model, **engine_options))
+    def __init__(self, model: str = "tiny", reasoning_parser: str | None = None, **engine_options):
+        """reasoning_parser: "qwen3" splits each output's reasoning (<think>...</think>) into
+        CompletionOutput.reasoning, and a structured-output constraint applies after it (engine/reasoning.py)."""
+        self._start(engine_config(model, **engine_options), None, reasoning_parser)
 
     @classmethod
-    def from_config(cls, cfg, run_dir=None) -> "LLM":
+    def from_config(cls, cfg, run_dir=None, reasoning_parser: str | None = None) -> "LLM":
         """An LLM on a checked EngineConfig (engine/config.py; the batch layer converts what Hydra
         composed); run_dir: where a stalled step's inputs are saved (engine/watchdog.py)."""
         llm = cls.__new__(cls)
-        llm._start(cfg, run_dir)
+        llm._start(cfg, run_dir, reasoning_parser)
         return llm
 
-    def _start(self, cfg, run_dir=None) -> None:
+    def _start(self, cfg, run_dir, reasoning_parser: str | None) -> None:
         self.cfg = cfg
-        self.engine = LLMEngine(cfg, run_dir)
+        self.engine = LLMEngine(cfg, run_dir, reasoning_parser)
         self.tokenizer = self.engine.tokenizer
         self.default_sampling = resolve_sampling(cfg.sampling, self.engine.generation_config)
         check_run_sampling(self.engine, self.default_sampling)
-        self._outputs = OutputProcessor(self.tokenizer)
+        self._outputs = OutputProcessor(self.tokenizer, self.engine.reasoning_parser)
         self._abandoned = False  # a stream was left before its end: its requests are still in the engine
 
     # -- what a run needs to know of the engine ------------------------------------------------------
@@ -217,8 +219,10 @@ class LLM:
         try:
             if request.error:
                 raise RequestError(request.error)
-            token_ids = self._token_ids(request, chat_template_kwargs)
-            self.engine.check_request(len(token_ids), self._sampling(request))
+            token_ids, sampling = self._token_ids(request, chat_template_kwargs), self._sampling(request)
+            self.engine.check_request(len(token_ids), sampling)
+            if sampling.structured_outputs is not None:
+                self.engine.check_grammar(sampling.structured_outputs)
             return request, token_ids, None
         except RequestError as err:
             return request, None, str(err)
@@ -257,13 +261,15 @@ class LLM:
 
 def check_run_sampling(engine: LLMEngine, sampling: SamplingParams) -> None:
     """ConfigError naming sampling.<field> when the run's sampling values are beyond what this engine can
-    run (logprobs or prompt_logprobs over its vocabulary or the sampler's maximum): no row that keeps them
-    could run, so the job stops before any work rather than make every row an error. The engine's request
-    check is asked about a one-token prompt, which every other limit admits (validate and the pool's sizing
-    ensure max_model_len >= 2 and a pool that holds a sequence of max_model_len), so what it rejects is the
-    sampling values."""
+    run (logprobs or prompt_logprobs over its vocabulary or the sampler's maximum, a structured_outputs
+    grammar that does not compile): no row that keeps them could run, so the job stops before any work
+    rather than make every row an error. The engine's request check is asked about a one-token prompt,
+    which every other limit admits (validate and the pool's sizing ensure max_model_len >= 2 and a pool
+    that holds a sequence of max_model_len), so what it rejects is the sampling values."""
     try:
         engine.check_request(1, sampling)
+        if sampling.structured_outputs is not None:
+            engine.check_grammar(sampling.structured_outputs)
     except RequestError as err:
         raise ConfigError(f"sampling.{err}") from None
 

@@ -11,6 +11,7 @@ Only the last position of each sequence that draws a token gets logits, and the 
 chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The samples forked from a
 sequence in a step draw from its logits row, each with its own seed.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter
@@ -27,8 +28,9 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.prefix_groups import CascadePolicy, find_prefix_groups
 from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, draw, processed_logits, to_host
 from engine.scheduler import Fork, ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, Sequence
 from engine.staging import upload, upload_rows
+from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmasks
 from engine.watchdog import StepInputs
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
@@ -100,10 +102,13 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, meta)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, previous: "InFlight | None", step: int) -> "InFlight | None":
+    def launch(self, batch: ScheduledBatch, previous: "InFlight | None", step: int,
+               previous_tokens: Callable[["InFlight"], list[int]]) -> "InFlight | None":
         """Enqueue the batch's forward and sampling without waiting for the device; None when no sequence
         draws a token in this step. Tokens that are still placeholders on the host come from the previous
-        step's device output. step: the engine's number for it (the watchdog's reports)."""
+        step's device output. step: the engine's number for it (the watchdog's reports); previous_tokens:
+        waits for a step's tokens on the host (the engine's, under its watchdog), which the masks of
+        constrained sequences need."""
         tables, seq_lens = self.block_manager.block_tables_and_seq_lens(list(map(_SEQ_ID, batch.seqs)))
         starts = seq_lens - np.array(batch.num_new_tokens, dtype=np.int64)  # int64 [S]
         input_ids, positions, meta, sampled_rows = self.prepare(batch, starts, tables, seq_lens)
@@ -122,6 +127,8 @@ class ModelRunner:
         params = SamplingTensors.build(list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size,
                                        self.device, self.eos_token_ids, penalised)
         processed = processed_logits(logits, params)
+        if any(s.constraint is not None for s in drawing):
+            processed = self._constrained(processed, logits, drawing, output_index, previous, previous_tokens)
         inputs = StepInputs(step, batch, starts, drawing, processed, params, recorded_event(self.device))
         tokens = draw(processed, params, self.sampler_fallbacks)
         if params.penalties is not None:
@@ -130,6 +137,32 @@ class ModelRunner:
         k = max((a for a in asked if a is not None), default=None)
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
         return InFlight.start(tokens, drawing, output_index, inputs, logprobs)
+
+    def _constrained(self, processed: torch.Tensor, logits: torch.Tensor, drawing: list[Sequence],
+                     output_index: list[int], previous: "InFlight | None",
+                     previous_tokens: Callable[["InFlight"], list[int]]) -> torch.Tensor:
+        """The processed logits with the grammar masks of the constrained rows applied (a copy when they are
+        the logits themselves, whose logprobs stay the raw distribution's). Each matcher first reads the
+        outputs it has not read; the newest may be the previous step's, waited for here: this step's
+        forward is enqueued already, so the device runs it while the host fills the masks."""
+        known = None
+        rows = [row for row, seq in enumerate(drawing) if seq.constraint is not None]
+        for row in rows:
+            seq, outputs = drawing[row], drawing[row].output_token_ids[:output_index[row]]
+            if outputs and outputs[-1] == PLACEHOLDER:  # drawn in the previous step
+                known = previous_tokens(previous) if known is None else known
+                outputs = outputs[:-1] + [known[previous.rows[seq.seq_id]]]
+            seq.constraint.advance(outputs)
+        active = [row for row in rows if drawing[row].constraint.active]
+        if not active:
+            return processed
+        bitmask = allocate_bitmask(len(active), drawing[active[0]].constraint.matcher.vocab_size)
+        fill_bitmasks([(drawing[row].constraint.matcher, i) for i, row in enumerate(active)], bitmask)
+        index = self._to_device(np.array(active, dtype=np.int64))
+        masked = processed.index_select(0, index)
+        apply_bitmask(masked, bitmask.to(processed.device, non_blocking=True))
+        processed = processed.clone() if processed is logits else processed
+        return processed.index_copy_(0, index, masked)
 
     def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Copy the forked samples' partial blocks (after the forward that wrote them, before any later

@@ -3,7 +3,9 @@
 The engine retires each sample of a request (a Sequence) on its own; OutputProcessor holds them until the
 request's n-th sample has finished, then makes one RequestOutput: the samples by index, each one's text
 (cut before the stop string that ended it, else its tokens decoded), and logprobs as one {token: Logprob}
-mapping per position: the token's own, then the k most likely by rank.
+mapping per position: the token's own, then the k most likely by rank. With a reasoning parser
+(engine/reasoning.py) the text is split: `text` is the content (the answer), `reasoning` what the model
+thought before it.
 """
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,11 +24,12 @@ Logprobs = list[dict[int, Logprob]]  # per token: {the token: its Logprob, then 
 @dataclass
 class CompletionOutput:
     index: int  # the sample's index among the request's n
-    text: str  # cut before the stop string that ended it (unless include_stop_str_in_output)
+    text: str  # cut before the stop string that ended it (unless include_stop_str_in_output); the content with a reasoning parser
     token_ids: list[int]  # every token drawn, the one that completed a stop string or a stop id included
     finish_reason: str | None  # stop | length
     logprobs: Logprobs | None = None  # when SamplingParams.logprobs is not None
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it; None for EOS
+    reasoning: str | None = None  # the reasoning parser's reasoning, its tags left out; None without either
 
 
 @dataclass
@@ -43,10 +46,12 @@ class RequestOutput:
 class OutputProcessor:
     """Groups the finished samples of the requests in flight and turns each whole request into its
     RequestOutput. Invariant: every key expected and not yet returned is in `_requests`, and `_samples`
-    holds its finished samples, fewer than its n."""
+    holds its finished samples, fewer than its n. reasoning_parser (engine/reasoning.py's): splits each
+    output text into reasoning and content; None: no split."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, reasoning_parser=None):
         self.tokenizer = tokenizer
+        self.reasoning_parser = reasoning_parser
         self._requests: dict[str, tuple[Any, str | None]] = {}  # engine key -> (request_id, prompt text)
         self._samples: dict[str, list] = {}
 
@@ -73,10 +78,16 @@ class OutputProcessor:
                 yield self._output(*self._requests.pop(seq.request_id), sorted(done, key=lambda s: s.sample_index))
 
     def _output(self, request_id, prompt: str | None, samples: list) -> RequestOutput:
-        completions = [CompletionOutput(seq.sample_index, self._text(seq), list(seq.output_token_ids), seq.finish_reason,
-                                        output_logprobs(seq), seq.stop_reason) for seq in samples]
+        completions = [self._completion(seq) for seq in samples]
         first = samples[0]
         return RequestOutput(request_id, prompt, first.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs(first))
+
+    def _completion(self, seq) -> CompletionOutput:
+        """One sample's CompletionOutput: its text split by the reasoning parser, if there is one."""
+        text = self._text(seq)
+        reasoning, text = (None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
+        return CompletionOutput(seq.sample_index, text, list(seq.output_token_ids), seq.finish_reason,
+                                output_logprobs(seq), seq.stop_reason, reasoning)
 
     def _text(self, seq) -> str:
         """The output text: cut at the stop string that ended it, else the tokens decoded, without the

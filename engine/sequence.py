@@ -19,10 +19,12 @@ import typing
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from engine.structured import StructuredOutputsParams
 from ops.sampling_reference import mix32
 
 if typing.TYPE_CHECKING:
     from engine.block_manager import SequenceState
+    from engine.constraint import Constraint
     from engine.detokenizer import IncrementalDetokenizer
 
 
@@ -62,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # transformers' definition, over prompt and output tokens; 1: off
     presence_penalty: float = 0.0  # OpenAI's definition, over output tokens; 0: off
     frequency_penalty: float = 0.0  # OpenAI's definition, over output tokens; 0: off
+    structured_outputs: StructuredOutputsParams | None = None  # an output constraint: json, regex, choice, grammar or json_object
 
     def __post_init__(self):
         for name, kind in FIELD_KINDS.items():
@@ -144,6 +147,8 @@ def _convert(name: str, value, kind: tuple[type, bool, bool]):
     element, many, optional = kind
     if value is None and optional:
         return None
+    if element is StructuredOutputsParams:  # an instance, a mapping or its JSON text
+        return StructuredOutputsParams.from_value(value)
     if not many:
         return _scalar(name, value, element)
     if takes_one_value(name) and isinstance(value, element):  # one stop string, as vLLM takes it
@@ -185,6 +190,7 @@ class Sequence:
     held_samples: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, forked when this one's prompt is
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it (None for EOS)
     detokenizer: "IncrementalDetokenizer | None" = None  # only when sampling.stop is set
+    constraint: "Constraint | None" = None  # only when sampling.structured_outputs is set
     output_text: str | None = None  # set when a stop string ended it: the text, cut; else decode the token ids
     # filled by the sampler (engine/sampler.py) when sampling.logprobs / prompt_logprobs is set:
     output_logprobs: list[float] = field(default_factory=list)  # logprob of each output token (logprobs=k)

@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from engine.config import (USE_GENERATION_CONFIG_HELP, CacheConfig, EngineConfig, ModelConfig, SamplingConfig,
                            SchedulerConfig, check_engine_config, check_finite, check_value)
 from engine.errors import ConfigError, did_you_mean
+from engine.reasoning import REASONING_PARSERS
 from engine.sequence import SamplingParams
 
 
@@ -34,6 +35,7 @@ class GenerateJob:
     prompt_column: str = "prompt"  # text, or a conversation: a list of {role, content} structs (chat template applied)
     chat_template: bool = False  # apply the chat template to a text prompt too, as one user message
     chat_template_kwargs: Any = None  # a mapping passed to the chat template, e.g. {enable_thinking: false}
+    reasoning_parser: Optional[str] = None  # qwen3: the output's think block goes to column reasoning (openai: reasoning_content), the answer to output_text; null: no split
     id_column: Optional[str] = None  # None: column "id" when the input has one, else row numbers
     keep_columns: Optional[list[str]] = None  # input columns carried to the output; None: all
     output_format: str = "parquet"  # parquet: generations.parquet | openai: generations.jsonl, OpenAI batch output
@@ -221,6 +223,8 @@ def validate(cfg) -> None:
         check_value(j.chat_template_kwargs is None or OmegaConf.is_dict(j.chat_template_kwargs), "job.chat_template_kwargs",
                "must be a mapping such as {enable_thinking: false}, or null", j.chat_template_kwargs)
         check_value(j.output_format in ("parquet", "openai"), "job.output_format", "must be 'parquet' or 'openai'", j.output_format)
+        check_value(j.reasoning_parser is None or j.reasoning_parser in REASONING_PARSERS, "job.reasoning_parser",
+               f"must be null or one of {', '.join(REASONING_PARSERS)}", j.reasoning_parser)
     if cfg.job.name == "bench":
         for key in ("input_len", "output_len"):
             lo_hi = list(cfg.job[key])

@@ -13,10 +13,8 @@ once per key, and returns its output tokens (for the progress bar).
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.llm import LLM
 from jobs.common import Progress
-from jobs.config import engine_config_of
-from jobs.processor import Processor, Rows, Run, run_of
+from jobs.processor import Processor, Rows, Run, new_llm, run_of
 
 
 def execute(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callable[[list[dict]], int],
@@ -32,7 +30,7 @@ def execute(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callable
 def run_local(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callable[[list[dict]], int],
               run_dir: Path) -> Run:
     """executor=local: one engine in this process; rows are pulled as its stream has room for them."""
-    llm = LLM.from_config(engine_config_of(cfg), run_dir)
+    llm = new_llm(cfg, processor, run_dir)
     processor.setup(llm)
     requests = (processor.preprocess(key, fields) for key, fields in rows)
     progress = Progress(num_rows)

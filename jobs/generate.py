@@ -119,6 +119,7 @@ def result_rows(out: RequestOutput) -> list[dict]:
             "stop_reason": c.stop_reason if by_string else None,
             "stop_token_id": c.token_ids[-1] if c.finish_reason == "stop" and not by_string else None,
             "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids), "error": None,
+            "reasoning": c.reasoning,
             "output_logprobs": logprobs, "top_logprobs": top, "prompt_logprobs": prompt_logprobs,
             "prompt_top_logprobs": prompt_top})
     return rows
@@ -173,6 +174,7 @@ class GenerateProcessor(Processor):
     def __init__(self, job, columns: Columns):
         self.job, self.columns = job, columns
         self.chat_template_kwargs = chat_kwargs(job)
+        self.reasoning_parser = job.reasoning_parser
         self.defaults: SamplingParams | None = None
 
     def setup(self, llm: LLM) -> None:
@@ -207,7 +209,8 @@ def generate_job(cfg, directory: Path) -> None:
             final = directory / ("generations.jsonl" if job.output_format == "openai" else "generations.parquet")
             asked = {name: cfg.sampling[name] is not None or name in columns.sampling
                      for name in ("logprobs", "prompt_logprobs")}
-            schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked)
+            schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked,
+                                        reasoning=job.reasoning_parser is not None)
             tokenizer = load_tokenizer(cfg.model) if job.output_format == "openai" and asked["logprobs"] else None
             writer.finalize(final_batches(source, columns), final, schema, job.output_format,
                             cfg.model.path or cfg.model.name, tokenizer)

@@ -61,6 +61,7 @@ log = logging.getLogger("minipaged")
 CHUNK_BYTES = 1 << 20
 DEFAULT_ID_COLUMN = "id"
 ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row columns: every sampling field
+CONSTRAINT_KEYS = re.compile(rb'"(structured_outputs|response_format)"')  # JSONL lines that constraints_as_text rewrites
 OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
 JSONL_CODECS = {".jsonl": None, ".jsonl.gz": "gzip", ".jsonl.zst": "zstd", ".jsonl.zstd": "zstd"}  # by name
@@ -213,6 +214,8 @@ class InputFiles:
             with pa.input_stream(str(path), compression=jsonl_codec(path)) as stream:
                 for chunk in line_chunks(stream):
                     lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
+                    if CONSTRAINT_KEYS.search(chunk):
+                        chunk = constraints_as_text(chunk)
                     if self.content_as_parts:
                         chunk = contents_as_parts(chunk, self.conversation_column)
                     elif schema is None and PART_LISTS.search(chunk):
@@ -320,6 +323,27 @@ def contents_as_parts(chunk: bytes, conversation_column: str | None) -> bytes:
             for message in messages if isinstance(messages, list) else ():
                 if isinstance(message, dict) and isinstance(message.get("content"), str):
                     message["content"] = [{"type": "text", "text": message["content"]}]
+        lines.append(json.dumps(row).encode() + b"\n")
+    return b"".join(lines)
+
+
+def constraints_as_text(chunk: bytes) -> bytes:
+    """The chunk's lines with a structured_outputs value and body.response_format as JSON text: pyarrow would
+    read them as structs of every row's keys at once (null where a row's schema has none), and a schema of
+    one row can hold a key of another type than another row's. A chunk with a line that json cannot read is
+    left as it is, for pyarrow to report."""
+    lines = []
+    for line in chunk.splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            return chunk
+        if not isinstance(row, dict):
+            lines.append(line)
+            continue
+        for holder, key in ((row, "structured_outputs"), (row.get("body"), "response_format")):
+            if isinstance(holder, dict) and isinstance(holder.get(key), (dict, list)):
+                holder[key] = json.dumps(holder[key])
         lines.append(json.dumps(row).encode() + b"\n")
     return b"".join(lines)
 
@@ -511,6 +535,28 @@ def _plain_number(value):
     return value
 
 
+def response_format_constraint(response_format) -> dict | None:
+    """OpenAI's response_format (a mapping, or its JSON text) as SamplingParams.structured_outputs:
+    {"type": "json_object"} any JSON object, {"type": "json_schema", "json_schema": {"schema": ...}} that
+    schema ("name" and "strict" are OpenAI's bookkeeping: the schema is always enforced), {"type": "text"} none.
+    ValueError naming response_format otherwise."""
+    try:
+        spec = json.loads(response_format) if isinstance(response_format, str) else response_format
+    except ValueError:
+        raise ValueError(f"response_format is not a JSON object, got {response_format!r}") from None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = spec.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+            raise ValueError(f"response_format.json_schema must hold a schema object under 'schema', got {schema!r}")
+        return {"json": schema["schema"]}
+    raise ValueError(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+
+
 # SamplingParams field -> the body field its value is read from, when the body has that field
 BODY_FIELDS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
 
@@ -538,6 +584,8 @@ def openai_sampling(body: dict) -> dict:
         values["logprobs"] = (top or 0) if values["logprobs"] else None
     elif top is not None:
         raise ValueError("top_logprobs needs logprobs: true")
+    if "response_format" in values:
+        values["structured_outputs"] = response_format_constraint(values.pop("response_format"))
     unknown = sorted(set(values) - set(ROW_SAMPLING))
     if unknown:
         close = difflib.get_close_matches(unknown[0], ROW_SAMPLING + ["max_completion_tokens", "top_logprobs"], n=1)

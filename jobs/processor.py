@@ -14,6 +14,7 @@ from typing import Any
 import pyarrow as pa
 
 from engine.llm import LLM, Request, RequestOutput
+from jobs.config import engine_config_of
 
 Rows = Iterable[tuple[int, Any]]
 
@@ -24,6 +25,7 @@ class Processor:
 
     output_schema: pa.Schema  # of the rows postprocess returns
     chat_template_kwargs: dict | None = None  # passed to the chat template of every conversation
+    reasoning_parser: str | None = None  # the engines split outputs with it (engine/reasoning.py)
 
     def setup(self, llm: LLM) -> None:
         """Once per engine, before its first request: checks (a chat template where needed) and state."""
@@ -46,6 +48,11 @@ class Run:
 
     steps: pa.Table
     summary: dict
+
+
+def new_llm(cfg, processor: Processor, run_dir=None) -> LLM:
+    """The LLM an executor runs `processor` on, from the composed config."""
+    return LLM.from_config(engine_config_of(cfg), run_dir, processor.reasoning_parser)
 
 
 def run_of(llm: LLM) -> Run:

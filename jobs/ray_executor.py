@@ -52,11 +52,9 @@ import torch
 from ray.data import ActorPoolStrategy, DataContext
 
 from engine.errors import ConfigError, UserError
-from engine.llm import LLM
 from engine.stats import STEPS_SCHEMA, StatsRecorder, StepStats
 from jobs.common import Progress
-from jobs.config import engine_config_of
-from jobs.processor import Processor, Rows, Run
+from jobs.processor import Processor, Rows, Run, new_llm
 
 log = logging.getLogger("minipaged")
 ENGINES_READY_TIMEOUT_S = 3600  # the pool's actors must all be built by then (model loads included)
@@ -87,7 +85,7 @@ class Engine:
     def __init__(self, cfg, collector, processor: Processor):
         constructed = time.time()
         try:
-            self.llm = LLM.from_config(engine_config_of(cfg))
+            self.llm = new_llm(cfg, processor)
             processor.setup(self.llm)
         except UserError as err:  # raised from the first batch: Ray keeps a task's exception, not a constructor's
             self.failed = err

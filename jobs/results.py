@@ -29,7 +29,8 @@ temporary file and renamed: generations.parquet (job.output_format=parquet) or g
 OpenAI batch output format (job.output_format=openai), one line per request as `vllm run-batch` writes,
 with chat-completions logprobs (choices[].logprobs.content) when they were asked for: each token's text
 from the tokenizer and its bytes (for a byte-level tokenizer the token's own bytes, which a character cut
-across tokens needs; else its text's UTF-8).
+across tokens needs; else its text's UTF-8), and with job.reasoning_parser each message's
+reasoning_content (generations.parquet: a reasoning column).
 """
 import dataclasses
 import functools
@@ -65,7 +66,7 @@ CACHED_PARTS = 8
 # do not change greedy outputs, and a smaller pool is a natural fix to retry with), job.flush_*, and what
 # only shapes the final file (job.keep_columns, job.output_format).
 OUTPUT_SETTINGS = ("model", "sampling", "job.input", "job.prompt_column", "job.id_column", "job.chat_template",
-                   "job.chat_template_kwargs")
+                   "job.chat_template_kwargs", "job.reasoning_parser")
 IGNORED_SETTINGS = ("model.device",)
 
 RESULT_FIELDS = [
@@ -78,22 +79,23 @@ LOGPROB_FIELDS = {  # the columns of SamplingParams.logprobs and prompt_logprobs
     "logprobs": [("output_logprobs", pa.list_(pa.float32())), ("top_logprobs", TOP_LOGPROBS)],
     "prompt_logprobs": [("prompt_logprobs", pa.list_(pa.float32())), ("prompt_top_logprobs", TOP_LOGPROBS)],
 }
-PART_SCHEMA = pa.schema([("row", pa.int64()), *RESULT_FIELDS, *sum(LOGPROB_FIELDS.values(), [])])
+REASONING_FIELD = ("reasoning", pa.string())  # job.reasoning_parser's reasoning; in generations.parquet only with one
+PART_SCHEMA = pa.schema([("row", pa.int64()), *RESULT_FIELDS, REASONING_FIELD, *sum(LOGPROB_FIELDS.values(), [])])
 
 
 def generations_schema(id_type: pa.DataType, kept: list[pa.Field] = (), logprobs: bool = False,
-                       prompt_logprobs: bool = False) -> pa.Schema:
-    """generations.parquet: id, the result columns (the logprob ones when asked for), then the input
-    columns carried along."""
-    asked = [*(LOGPROB_FIELDS["logprobs"] if logprobs else []),
+                       prompt_logprobs: bool = False, reasoning: bool = False) -> pa.Schema:
+    """generations.parquet: id, the result columns (reasoning with a reasoning parser, the logprob ones
+    when asked for), then the input columns carried along."""
+    asked = [*([REASONING_FIELD] if reasoning else []), *(LOGPROB_FIELDS["logprobs"] if logprobs else []),
              *(LOGPROB_FIELDS["prompt_logprobs"] if prompt_logprobs else [])]
     return pa.schema([("id", id_type), *RESULT_FIELDS, *asked, *kept])
 
 
 def output_names() -> set[str]:
-    """Every column name generations.parquet may have (the logprob ones included): no carried input column
-    may take one."""
-    return set(generations_schema(pa.int64(), logprobs=True, prompt_logprobs=True).names)
+    """Every column name generations.parquet may have (the reasoning and logprob ones included): no carried
+    input column may take one."""
+    return set(generations_schema(pa.int64(), logprobs=True, prompt_logprobs=True, reasoning=True).names)
 
 
 def model_fingerprint(cfg) -> dict:
@@ -335,7 +337,8 @@ def _signals_deferred():
 
 # the result columns an OpenAI output line is made of
 OPENAI_FIELDS = ("id", "sample_index", "output_text", "output_token_ids", "finish_reason", "stop_reason",
-                 "stop_token_id", "prompt_tokens", "output_tokens", "error", "output_logprobs", "top_logprobs")
+                 "stop_token_id", "prompt_tokens", "output_tokens", "error", "reasoning", "output_logprobs",
+                 "top_logprobs")
 
 
 class TokenPieces:
@@ -372,6 +375,15 @@ def openai_logprobs(sample: dict, pieces: TokenPieces) -> dict:
                         for t, lp, top in zip(sample["output_token_ids"], sample["output_logprobs"], tops)]}
 
 
+def openai_message(sample: dict) -> dict:
+    """A choice's assistant message: the content, and with a reasoning parser (a sample with a reasoning
+    field, null where the output had none) its reasoning_content, as vLLM's server writes it."""
+    message = {"role": "assistant", "content": sample["output_text"]}
+    if "reasoning" in sample:
+        message["reasoning_content"] = sample["reasoning"]
+    return message
+
+
 def openai_line(row_number: int, samples: list[dict], model: str, created: int,
                 pieces: TokenPieces | None = None) -> dict:
     """One line of an OpenAI batch output file (the shape `vllm run-batch` writes) from the result rows of
@@ -386,7 +398,7 @@ def openai_line(row_number: int, samples: list[dict], model: str, created: int,
     completion = sum(s["output_tokens"] for s in samples)
     usage = {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
              "total_tokens": first["prompt_tokens"] + completion}
-    choices = [{"index": s["sample_index"], "message": {"role": "assistant", "content": s["output_text"]},
+    choices = [{"index": s["sample_index"], "message": openai_message(s),
                 "logprobs": openai_logprobs(s, pieces) if s.get("output_logprobs") is not None else None,
                 "finish_reason": s["finish_reason"],
                 "stop_reason": s["stop_token_id"] if s["stop_reason"] is None else s["stop_reason"]}

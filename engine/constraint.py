@@ -1,0 +1,38 @@
+"""A sequence's structured-output constraint: its grammar matcher and how far the matcher has read.
+
+The engine runs one step ahead of the host, so a sequence's newest output may still be a placeholder when
+the next step is prepared (engine/sequence.py). A matcher must have read every output token before the
+mask of the next draw is computed, so it reads lazily: `advance(tokens)` feeds it the outputs it has not
+read yet, which the model runner calls with the previous step's tokens once the device has them, and the
+engine's resolve calls again (a no-op for tokens read already). Invariant: `read` <= the number of outputs
+whose ids are known, and the matcher has consumed exactly the constrained outputs among the first `read`.
+
+With a reasoning parser (engine/reasoning.py), the constraint starts after the reasoning: outputs up to and
+including the reasoning's end token are read but not fed to the matcher, and no mask applies before.
+"""
+from engine.structured import GrammarMatcher
+
+
+class Constraint:
+    def __init__(self, matcher: GrammarMatcher, active: bool = True, start_token_id: int | None = None):
+        """active: whether the constraint applies from the first output on; else it starts after the output
+        start_token_id (the reasoning's end)."""
+        self.matcher = matcher
+        self.active = active
+        self.start_token_id = start_token_id
+        self.read = 0  # outputs read
+
+    def advance(self, outputs: list[int]) -> None:
+        """Read outputs[read:] (all known token ids)."""
+        for token in outputs[self.read:]:
+            if self.active:
+                self.matcher.accept(token)  # a token it refuses stops it (is_finished): the mask leaves only EOS
+            else:
+                self.active = token == self.start_token_id
+        self.read = len(outputs)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but EOS can follow (the text is complete and cannot go on, or a token was refused): the
+        sequence ends there (finish_reason stop), without drawing the EOS."""
+        return self.active and self.matcher.is_finished

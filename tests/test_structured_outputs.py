@@ -1,0 +1,156 @@
+"""Structured outputs through the engine (engine/constraint.py, the model runner's masks), against oracles of
+their own: transformers' generate on the same checkpoint with a logits processor written here on the grammar
+library directly (greedy, float32, token for token); jsonschema on every JSON output that finished; and the
+job's error rows for grammars that cannot compile."""
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
+
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.errors import ConfigError, RequestError
+from jobs.generate import generate_job
+
+MAX_TOKENS = 40
+SCHEMAS = [
+    {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "label": {"enum": ["cat", "dog"]}},
+     "required": ["ok", "label"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+    {"type": "object", "properties": {"tag": {"type": "string", "maxLength": 3}}, "required": ["tag"],
+     "additionalProperties": False},
+]
+
+
+class GrammarLogits(LogitsProcessor):
+    """transformers' side of the oracle, one sequence: the grammar's mask over the scores at every step, from a
+    matcher fed the tokens generated so far."""
+
+    def __init__(self, grammar: str, tokenizer, vocab_size: int):
+        self.matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size), grammar)
+        self.vocab_size, self.prompt_len, self.fed = vocab_size, None, 0
+
+    def __call__(self, input_ids, scores):
+        self.prompt_len = input_ids.shape[1] if self.prompt_len is None else self.prompt_len
+        for token in input_ids[0, self.prompt_len + self.fed:].tolist():
+            assert self.matcher.consume_token(token)
+            self.fed += 1
+        mask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, mask, 0)
+        llguidance.torch.apply_token_bitmask_inplace(scores, mask)
+        return scores
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_checkpoint):
+    path, _ = qwen3_checkpoint
+    return LLM(str(path), dtype="float32", device="cpu", max_model_len=128)
+
+
+def hf_constrained(hf_model, tokenizer, prompt: list[int], grammar: str) -> list[int]:
+    processor = GrammarLogits(grammar, tokenizer, hf_model.config.vocab_size)
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                            logits_processor=LogitsProcessorList([processor]))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("params, grammar", [
+    (StructuredOutputsParams(choice=["yes", "no", "maybe not"]), llguidance.LLMatcher.grammar_from_regex("(yes|no|maybe not)")),
+    (StructuredOutputsParams(regex=r"[0-9]{1,4}(\.[0-9]{2})?"), llguidance.LLMatcher.grammar_from_regex(r"[0-9]{1,4}(\.[0-9]{2})?")),
+])
+def test_greedy_constrained_outputs_match_transformers(llm, qwen3_checkpoint, params, grammar):
+    path, hf_model = qwen3_checkpoint
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = [[5, 17, 99, 3], [120, 7], list(range(30, 52))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=params))
+    for prompt, out in zip(prompts, outs):
+        expected, ours = hf_constrained(hf_model, tokenizer, prompt, grammar), out.outputs[0].token_ids
+        # the engine stops where nothing but EOS can follow; transformers draws that EOS
+        assert ours == expected[:len(ours)] and expected[len(ours):] in ([], [tokenizer.eos_token_id]), \
+            (prompt, out.outputs[0].text, expected)
+        assert out.outputs[0].finish_reason == "stop"
+        if params.choice:
+            assert out.outputs[0].text in params.choice
+
+
+def test_json_outputs_validate_in_a_mixed_batch(llm):
+    """Four schemas, rows without a constraint and n = 3 samples, sampled with several seeds: every
+    constrained output that finished is a document of its schema."""
+    prompts, params = [], []
+    for seed in range(3):
+        for i, schema in enumerate(SCHEMAS):
+            prompts.append([10 + i, 20 + seed])
+            params.append(SamplingParams(temperature=1.0, seed=seed, n=3, max_tokens=MAX_TOKENS,
+                                         structured_outputs=StructuredOutputsParams(json=schema)))
+        prompts.append([7, seed])
+        params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=8))
+    outs = llm.generate(prompts, params)
+    finished = 0
+    for out, p in zip(outs, params):
+        if p.structured_outputs is None:
+            assert len(out.outputs) == 1 and out.outputs[0].finish_reason in ("stop", "length")
+            continue
+        schema = json.loads(p.structured_outputs.json)
+        assert len(out.outputs) == 3
+        for sample in out.outputs:
+            if sample.finish_reason == "stop":
+                jsonschema.validate(json.loads(sample.text), schema)
+                finished += 1
+    assert finished >= len(SCHEMAS), "the constrained samples were meant to finish their documents"
+
+
+def test_a_grammar_that_cannot_compile_is_named(llm):
+    with pytest.raises(RequestError, match=r"prompt 1: structured_outputs\.regex"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2),
+                                        SamplingParams(max_tokens=2, structured_outputs={"regex": "(unclosed"})])
+
+
+def test_bad_rows_are_error_rows_and_a_bad_job_setting_stops_the_job(make_config, qwen3_checkpoint, tmp_path):
+    path, _ = qwen3_checkpoint
+    constraints = [json.dumps({"choice": ["a", "b"]}), json.dumps({"regex": "[0-9"}), None,
+                   json.dumps({"json": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}),
+                   json.dumps({"regex": "x", "choice": ["y"]})]
+    pq.write_table(pa.table({"prompt": ["p0", "p1", "p2", "p3", "p4"], "structured_outputs": constraints}),
+                   tmp_path / "in.parquet")
+    common = [f"model.path={path}", "model.device=cpu", "model.dtype=float32", "model.max_model_len=128",
+              f"job.input={tmp_path / 'in.parquet'}", "sampling.max_tokens=6"]
+    for run in ("run", "run2"):
+        (tmp_path / run).mkdir()
+    generate_job(make_config(*common), tmp_path / "run")
+    rows = pq.read_table(tmp_path / "run" / "generations.parquet").to_pylist()
+    assert rows[0]["error"] is None and rows[0]["output_text"] in ("a", "b")
+    assert rows[2]["error"] is None
+    for row, field in ((1, "regex"), (3, "json"), (4, "")):
+        assert rows[row]["finish_reason"] == "error" and f"structured_outputs{'.' + field if field else ''}" in \
+            rows[row]["error"], rows[row]
+    with pytest.raises(ConfigError, match=r"sampling\.structured_outputs\.regex"):
+        generate_job(make_config(*common, "sampling.structured_outputs={regex: '(x'}"), tmp_path / "run2")
+
+
+def test_an_openai_batch_asks_for_json_with_response_format(make_config, chat_checkpoint, tmp_path):
+    path = chat_checkpoint
+    schema = SCHEMAS[1]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": MAX_TOKENS,
+                       "temperature": 1.0, "seed": i,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}}
+             for i in range(4)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "run").mkdir()
+    generate_job(make_config(f"model.path={path}", "model.device=cpu", "model.dtype=float32",
+                             "model.max_model_len=128", f"job.input={tmp_path / 'in.jsonl'}",
+                             "job.output_format=openai"), tmp_path / "run")
+    done = 0
+    for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines():
+        choice = json.loads(line)["response"]["body"]["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+            done += 1
+    assert done >= 1
