@@ -154,3 +154,29 @@ def test_an_openai_batch_asks_for_json_with_response_format(make_config, chat_ch
             jsonschema.validate(json.loads(choice["message"]["content"]), schema)
             done += 1
     assert done >= 1
+
+
+def test_constraints_survive_preemption_and_keep_raw_logprobs(qwen3_checkpoint):
+    """A pool too small for the batch preempts constrained rows, which recompute and go on where they were:
+    the same outputs as a roomy pool. Their logprobs are the raw distribution's (transformers' log-softmax of
+    the unmasked logits), not the masked one's."""
+    path, hf_model = qwen3_checkpoint
+    prompts = [[5 + i, 17, 99, 3 + i] * 3 for i in range(6)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=0,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,12}(-[0-9]{1,2})?"))
+    roomy = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, block_size=4)
+    expected = roomy.generate(prompts, params)
+    roomy.close()
+    tight = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, block_size=4, num_blocks=20,
+                max_num_seqs=6, max_num_batched_tokens=16)
+    outs = tight.generate(prompts, params)
+    assert sum(s.preemptions for s in tight.stats().steps) > 0, "the pool was meant to force preemption"
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    tight.close()
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            raw = torch.log_softmax(hf_model(torch.tensor([prompt + tokens])).logits[0].double(), -1)
+        for i, token in enumerate(tokens):
+            assert out.outputs[0].logprobs[i][token].logprob == pytest.approx(raw[len(prompt) - 1 + i, token].item(),
+                                                                              abs=1e-4)
