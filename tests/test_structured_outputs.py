@@ -180,3 +180,13 @@ def test_constraints_survive_preemption_and_keep_raw_logprobs(qwen3_checkpoint):
         for i, token in enumerate(tokens):
             assert out.outputs[0].logprobs[i][token].logprob == pytest.approx(raw[len(prompt) - 1 + i, token].item(),
                                                                               abs=1e-4)
+
+
+def test_a_stop_string_ends_a_constrained_output_first(llm):
+    """A stop string inside the grammar's language ends the output there (its text cut before the string),
+    as it would without a constraint; the rest of the grammar is not drawn."""
+    params = StructuredOutputsParams(regex=r"ab(cd)+")
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=params, stop="c"))[0]
+    sample = out.outputs[0]
+    assert (sample.text, sample.finish_reason, sample.stop_reason) == ("ab", "stop", "c")
+    assert llm.tokenizer.decode(sample.token_ids) == "abc"
