@@ -210,12 +210,18 @@ class GrammarCompiler:
         try:
             grammar = _grammar_text(params)
         except Exception as err:  # the GBNF converter raises bare Exception (e.g. for a rule it cannot find)
-            raise ValueError(f"structured_outputs.{params.kind}: {err}") from None
+            raise ValueError(f"structured_outputs.{params.kind}: {_one_line(str(err))}") from None
         start = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if start.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {start.get_error()}")
+            raise ValueError(f"structured_outputs.{params.kind}: {_one_line(start.get_error())}")
         start.compute_bitmask()
         return start
+
+
+def _one_line(reason: str) -> str:
+    """The library's reason on one line (it draws the grammar's text over several, with a caret under the
+    fault): an error row's message, and the job's error line, are one line."""
+    return " ".join(reason.split())
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:
