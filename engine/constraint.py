@@ -2,10 +2,10 @@
 
 The engine runs one step ahead of the host, so a sequence's newest output may still be a placeholder when
 the next step is prepared (engine/sequence.py). A matcher must have read every output token before the
-mask of the next draw is computed, so it reads lazily: `advance(tokens)` feeds it the outputs it has not
-read yet, which the model runner calls with the previous step's tokens once the device has them, and the
-engine's resolve calls again (a no-op for tokens read already). Invariant: `read` <= the number of outputs
-whose ids are known, and the matcher has consumed exactly the constrained outputs among the first `read`.
+mask of the next draw is computed, so it reads lazily: `advance(outputs, end)` feeds it the outputs it
+has not read yet; the model runner calls it with the previous step's token once the device has it, and
+the engine's resolve again (a no-op for tokens read already). Invariant: the first `read` outputs' ids
+are known to the host, and the matcher has consumed exactly the constrained ones among them.
 
 With a reasoning parser (engine/reasoning.py), the constraint starts after the reasoning: outputs up to and
 including the reasoning's end token are read but not fed to the matcher, and no mask applies before.
@@ -22,14 +22,16 @@ class Constraint:
         self.start_token_id = start_token_id
         self.read = 0  # outputs read
 
-    def advance(self, outputs: list[int]) -> None:
-        """Read outputs[read:] (all known token ids)."""
-        for token in outputs[self.read:]:
+    def advance(self, outputs: list[int], end: int, newest: int | None = None) -> None:
+        """Read outputs[read:end] in place (no copy of the list: it grows with every token); newest: the id
+        of outputs[end - 1] when the list still holds its placeholder (drawn in the step in flight)."""
+        for i in range(self.read, end):
+            token = newest if newest is not None and i == end - 1 else outputs[i]
             if self.active:
                 self.matcher.accept(token)  # a token it refuses stops it (is_finished): the mask leaves only EOS
             else:
                 self.active = token == self.start_token_id
-        self.read = len(outputs)
+        self.read = max(self.read, end)
 
     @property
     def finished(self) -> bool:

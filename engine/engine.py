@@ -175,7 +175,7 @@ class LLMEngine:
         """RequestError naming the field when the constraint's grammar does not compile (compiled once per
         text, on the compiler's threads; this waits for it)."""
         try:
-            self.grammars.new_matcher(params, GRAMMAR_TIMEOUT_S)
+            self.grammars.wait(params, GRAMMAR_TIMEOUT_S)
         except (ValueError, TimeoutError) as err:
             raise RequestError(str(err)) from None
 
@@ -247,7 +247,7 @@ class LLMEngine:
             if logprobs is not None:
                 logprobs.add_output(seq, row)
             if seq.constraint is not None:
-                seq.constraint.advance(seq.output_token_ids[:index + 1])
+                seq.constraint.advance(seq.output_token_ids, index + 1)
             reason = self._finish_reason(seq, token, index)
             if reason:
                 seq.truncate_outputs(index + 1)  # a token drawn after the stop, still in flight

@@ -148,11 +148,11 @@ class ModelRunner:
         known = None
         rows = [row for row, seq in enumerate(drawing) if seq.constraint is not None]
         for row in rows:
-            seq, outputs = drawing[row], drawing[row].output_token_ids[:output_index[row]]
-            if outputs and outputs[-1] == PLACEHOLDER:  # drawn in the previous step
+            seq, end, newest = drawing[row], output_index[row], None
+            if end and seq.output_token_ids[end - 1] == PLACEHOLDER:  # drawn in the previous step
                 known = previous_tokens(previous) if known is None else known
-                outputs = outputs[:-1] + [known[previous.rows[seq.seq_id]]]
-            seq.constraint.advance(outputs)
+                newest = known[previous.rows[seq.seq_id]]
+            seq.constraint.advance(seq.output_token_ids, end, newest)
         active = [row for row in rows if drawing[row].constraint.active]
         if not active:
             return processed

@@ -19,10 +19,10 @@ reads the block manager's sequence_length), so a batch's rows are past their chu
 Admission: a waiting sequence takes the longest run of its full blocks that the prefix cache holds
 (never its last token, whose logits are needed: KVBlockManager.cached_prefix), and is admitted when
 the rest of it fits in the free blocks (cached blocks count as free), the budget has room for (a chunk
-of) it and fewer than max_num_seqs sequences run. When a decoding sequence needs a block and none is free, the newest running
-sequence is preempted by recompute: its blocks are released (those holding a hash stay cached, so the
-recompute usually hits them) and it waits, first in line, to be prefilled again from its prompt and the
-outputs it already has. A step that preempted admits nothing, so a victim is not re-admitted at once.
+of) it and fewer than max_num_seqs sequences run. When a decoding sequence needs a block and none is
+free, the newest running sequence is preempted by recompute: its blocks are released (those holding a
+hash stay cached, so the recompute usually hits them) and it waits, first in line, to be prefilled again
+from its prompt and the outputs it already has. A step that preempted admits nothing, so a victim is not re-admitted at once.
 
 The other samples of a request (n > 1) are held by its first until the step that computes the first's
 last prompt chunk, and forked from it then (ScheduledBatch.forks): they share its table, with a copy of

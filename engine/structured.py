@@ -189,16 +189,19 @@ class GrammarCompiler:
                 future = self._compiled[params.key] = self._pool.submit(self._compile, params)
             return future
 
-    def new_matcher(self, params: StructuredOutputsParams, timeout_s: float | None) -> GrammarMatcher:
-        """A fresh matcher at the start of params' grammar, once compiled (submitted if it was not);
-        waits at most timeout_s seconds (None: no bound), else TimeoutError. ValueError as submit's.
-        A copy of the compiled state: ~10 us, whatever the grammar."""
+    def wait(self, params: StructuredOutputsParams, timeout_s: float | None) -> llguidance.LLMatcher:
+        """The compiled start state of params' grammar (submitted if it was not), waited for at most
+        timeout_s seconds (None: no bound), else TimeoutError; ValueError as submit's."""
         try:
-            start = self.submit(params).result(timeout=timeout_s)
+            return self.submit(params).result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             raise TimeoutError(f"structured_outputs.{params.kind}: the grammar did not compile within "
                                f"{timeout_s} s") from None
-        return GrammarMatcher(start.deep_copy(), self.vocab_size)
+
+    def new_matcher(self, params: StructuredOutputsParams, timeout_s: float | None) -> GrammarMatcher:
+        """A fresh matcher at the start of params' grammar, once compiled (wait's): a copy of the compiled
+        state, ~10 us whatever the grammar."""
+        return GrammarMatcher(self.wait(params, timeout_s).deep_copy(), self.vocab_size)
 
     def close(self) -> None:
         """Stop the workers; compilations not yet started are cancelled."""
