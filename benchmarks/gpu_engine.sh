@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
-# Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise
+# Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise json
 # (default: tests nano long topp shared profile). hang: issue 28's top-p job (4,096 random prompts, top_p
 # alone), which hung the GPU before the truncating sampler's rounds were bounded.
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
 # TESTS_K: a pytest -k filter for the tests section (default: the whole suite); PROFILE: profile_decode.py's
 # SEQS:CONTEXT list; BENCH_ARGS: extra overrides for every bench run; MODEL: the model (default qwen3-0.6b).
+# json: issue 30's job, 1,024 prompts of nano's lengths each constrained to one of 4 JSON schemas, then the
+# same unconstrained, then benchmarks/structured_profile.py; TOKENIZER: the tokenizer they use (default
+# .bench/bpe151k: `python benchmarks/grammar_backends.py --vocab 151643 --site-packages --save .bench/bpe151k`).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
 sections=${*:-tests nano long topp shared profile}
@@ -55,6 +58,13 @@ want hang && bench hang job.num_prompts=4096 'job.input_len=[100,2000]' 'job.out
   sampling.temperature=0.8 sampling.top_p=0.95
 if want piecewise; then  # the same three workloads with steps that carry prompt chunks run eagerly (no piecewise graphs)
   for w in nano shared_prefix long; do bench ${w}_eager job.workload=$w model.piecewise_graphs=false; steps $runs/${w}_eager/steps.parquet; done
+fi
+if want json; then
+  for k in 4 0; do
+    bench json$k job.workload=random job.num_prompts=1024 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' \
+      sampling.temperature=0.6 job.json_schemas=$k model.tokenizer=${TOKENIZER:-.bench/bpe151k}; steps $runs/json$k/steps.parquet
+  done
+  python3 benchmarks/structured_profile.py ${TOKENIZER:-.bench/bpe151k} 256 4 2>&1 | grep -v INFO | tee "$out/structured_profile.log"
 fi
 want models && for m in llama-3.2-1b qwen2.5-0.5b; do MODEL=$m bench nano_$m job.workload=nano; done
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }

@@ -9,10 +9,12 @@ time.perf_counter:
 - the per-row mask fill along a valid output, token by token (fill_bitmask), and the matchers' accept;
 - --rows rows a step over --steps steps, each row a constraint at its own position, advancing a token a
   step and starting again at its output's end: a loop of fill_bitmask, and fill_bitmasks (parallel);
-- apply_bitmask on [--rows, V] float32 logits (median and min of --repeats), beside llguidance's own
+- ops.apply_token_bitmask on [--rows, V] float32 logits (median and min of --repeats), beside llguidance's own
   torch.compile'd apply when --library-apply is given (its first call compiles; the figure is after it).
 Usage: python benchmarks/grammar_backends.py [--vocab 32000] [--rows 64] [--steps 200] [--rounds 5]
-       [--repeats 50] [--library-apply] [--device cuda]
+       [--repeats 50] [--library-apply] [--device cuda] [--site-packages]
+With --save DIR it only trains the tokenizer and saves it there: the bench's model.tokenizer for the
+structured-outputs job (`--vocab 151643 --site-packages`: Qwen3's count of BPE tokens, its ids).
 """
 import argparse
 import json
@@ -26,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.structured import (GrammarCompiler, StructuredOutputsParams, allocate_bitmask,  # noqa: E402
-                               apply_bitmask, fill_bitmasks)
+import ops  # noqa: E402
+from engine.structured import GrammarCompiler, StructuredOutputsParams, allocate_bitmask, fill_bitmasks  # noqa: E402
 
 PROSE = ("The matcher walks the token trie once per step; long string fields are where BPE tokens that "
          "cross quotes and escapes matter most, e.g. \"quoted\" text, a\\path, tabs\tand unicode: naïve ✓.")
@@ -72,21 +74,34 @@ CONSTRAINTS = {  # name: (params, a valid output)
 }
 
 
-def trained_tokenizer(vocab: int):
-    """A byte-level BPE tokenizer (transformers' fast wrapper) of `vocab` tokens, <|endoftext|> among
-    them, trained on the standard library's .py files."""
+# Qwen2.5's and Qwen3's special tokens, in their order after the BPE tokens (<|im_end|> is the chat models' EOS)
+QWEN_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                       "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                       "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+                       "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                       "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def trained_tokenizer(vocab: int, site_packages: bool = False):
+    """A byte-level BPE tokenizer (transformers' fast wrapper) of at most `vocab` BPE tokens, then Qwen's 26
+    special tokens (so with vocab 151643 every id is where Qwen3's is, EOS <|im_end|> = 151645), trained on
+    the standard library's .py files (and the installed packages' with site_packages: the standard
+    library alone has words for ~123k tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    if site_packages:
+        files += sorted(Path(sysconfig.get_paths()["purelib"]).rglob("*.py"))
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
+                                  show_progress=False)
     tokenizer.train_from_iterator((p.read_text(errors="replace") for p in files), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>"), len(files)
+    tokenizer.add_special_tokens(QWEN_SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>"), len(files)
 
 
 def constraints(hf) -> dict[str, tuple[StructuredOutputsParams, list[int]]]:
@@ -201,13 +216,13 @@ def timings(run, repeats: int, synchronize) -> list[float]:
 
 
 def time_apply(vocab_size: int, rows: int, repeats: int, device: str, library_apply: bool) -> None:
-    """apply_bitmask on [rows, vocab_size] float32 logits with a random bitmask."""
+    """ops.apply_token_bitmask (the device's backend) on [rows, vocab_size] float32 logits, a random bitmask."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab_size, generator=generator).to(device)
     bitmask = torch.randint(-2 ** 31, 2 ** 31, (rows, -(-vocab_size // 32)), generator=generator,
                             dtype=torch.int64).to(torch.int32).to(device)
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    applies = {"apply_bitmask": apply_bitmask}
+    applies = {"ops.apply_token_bitmask": ops.apply_token_bitmask}
     if library_apply:
         import llguidance.torch  # imports torch._dynamo (~2 s), which is why engine/structured.py does not
         applies["llguidance apply_token_bitmask_inplace"] = llguidance.torch.apply_token_bitmask_inplace
@@ -227,9 +242,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--library-apply", action="store_true")
     parser.add_argument("--device", default="cpu", help="where apply runs (the fills are on the host)")
+    parser.add_argument("--site-packages", action="store_true", help="train on the installed packages too")
+    parser.add_argument("--save", metavar="DIR", help="only train and save the tokenizer (a model.tokenizer)")
     args = parser.parse_args()
     start = time.perf_counter()
-    hf, num_files = trained_tokenizer(args.vocab)
+    hf, num_files = trained_tokenizer(args.vocab, args.site_packages)
+    if args.save:
+        hf.save_pretrained(args.save)
+        print(f"{len(hf)} tokens from {num_files} files in {time.perf_counter() - start:.1f} s: {args.save}")
+        return
     vocab_size = -(-(len(hf) + 1) // 128) * 128
     print(f"tokenizer: {len(hf)} tokens, trained on {num_files} files in {time.perf_counter() - start:.1f} s; "
           f"model vocabulary {vocab_size}; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}\n")

@@ -94,9 +94,11 @@ def extend_block_hashes(hashes: list[bytes], new_token_ids, block_size: int) -> 
     """Append to hashes (in place; also returned) the chained hashes of the full blocks that follow
     them. new_token_ids are a sequence's known tokens (prompt and resolved outputs) from position
     len(hashes) * block_size on; a partial block at their end is left for a later call."""
-    tokens = np.asarray(new_token_ids, dtype="<i8")
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start:start + block_size]))
+    packed, width = np.asarray(new_token_ids, dtype="<i8").tobytes(), 8 * block_size  # one conversion, sliced
+    parent = hashes[-1] if hashes else b""
+    for start in range(0, len(packed) - width + 1, width):  # hash_block's digest, without its per-block conversion
+        parent = hashlib.blake2b(parent + packed[start:start + width], digest_size=HASH_BYTES).digest()
+        hashes.append(parent)
     return hashes
 
 

@@ -33,6 +33,7 @@ THREADED_HIDDEN_SIZE = 1024  # below this a layer's matmuls are too small to sha
 class ModelConfig:
     name: str = "tiny"  # a label for the model, written to summary.parquet
     path: Optional[str] = None  # a checkpoint directory or a Hugging Face id (org/name); null: random weights of the shape below
+    tokenizer: Optional[str] = None  # a tokenizer's directory or Hugging Face id other than model.path's; null: the checkpoint's (random weights: a byte-level one)
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16; auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto | cpu | cuda; auto: CUDA when present
     cpu_threads: Optional[int] = None  # torch threads on the CPU; null: 1, more only for hidden sizes >= 1024

@@ -30,7 +30,7 @@ from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHi
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
 from engine.staging import upload, upload_rows
-from engine.structured import allocate_bitmask, apply_bitmask, fill_bitmasks
+from engine.structured import bitmask_words, fill_bitmasks
 from engine.watchdog import StepInputs
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
@@ -144,7 +144,9 @@ class ModelRunner:
         """The processed logits with the grammar masks of the constrained rows applied (a copy when they are
         the logits themselves, whose logprobs stay the raw distribution's). Each matcher first reads the
         outputs it has not read; the newest may be the previous step's, waited for here: this step's
-        forward is enqueued already, so the device runs it while the host fills the masks."""
+        forward is enqueued already, so the device runs it while the host fills the masks. The masks go
+        up in one copy from pinned memory (the caching host allocator keeps the buffer until the copy is
+        done) and one kernel applies them to the constrained rows only."""
         known = None
         rows = [row for row, seq in enumerate(drawing) if seq.constraint is not None]
         for row in rows:
@@ -153,16 +155,15 @@ class ModelRunner:
                 known = previous_tokens(previous) if known is None else known
                 newest = known[previous.rows[seq.seq_id]]
             seq.constraint.advance(seq.output_token_ids, end, newest)
-        active = [row for row in rows if drawing[row].constraint.active]
-        if not active:
+        matchers = [(drawing[row].constraint.matcher, row) for row in rows if drawing[row].constraint.active]
+        if not matchers:
             return processed
-        bitmask = allocate_bitmask(len(active), drawing[active[0]].constraint.matcher.vocab_size)
-        fill_bitmasks([(drawing[row].constraint.matcher, i) for i, row in enumerate(active)], bitmask)
-        index = self._to_device(np.array(active, dtype=np.int64))
-        masked = processed.index_select(0, index)
-        apply_bitmask(masked, bitmask.to(processed.device, non_blocking=True))
+        bitmask = torch.empty((len(matchers), bitmask_words(matchers[0][0].vocab_size)), dtype=torch.int32,
+                              pin_memory=self.device.type == "cuda")
+        fill_bitmasks(((matcher, i) for i, (matcher, _) in enumerate(matchers)), bitmask)
+        masked_rows = self._to_device(np.fromiter((row for _, row in matchers), np.int64, len(matchers)))
         processed = processed.clone() if processed is logits else processed
-        return processed.index_copy_(0, index, masked)
+        return ops.apply_token_bitmask(processed, bitmask.to(self.device, non_blocking=True), masked_rows)
 
     def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Copy the forked samples' partial blocks (after the forward that wrote them, before any later

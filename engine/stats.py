@@ -26,13 +26,16 @@ A step with no live sequence has no defined utilization (0 in its row); run-leve
 Per run (StatsRecorder.summary), from the steps:
     peak_/mean_paged_kv_utilization_pct, mean_internal_waste_pct, contiguous_kv_utilization_pct (mean over
     the steps, like the paged mean), peak_contiguous_kv_utilization_pct, peak_blocks_used, peak_block_table_bytes,
-    max_/mean_running_seqs, preemptions, wall_time_s, prefill_/decode_/mixed_steps, and the counterfactual's
+    max_/mean_running_seqs, preemptions, wall_time_s, first_token_s (from the start until the first drawn token
+    reached the host: a constraint's grammar compiled by then; NaN for figures rebuilt from steps alone, as
+    executor=ray's), prefill_/decode_/mixed_steps, and the counterfactual's
     capacity: contiguous_max_concurrent_seqs = (num_blocks * block_size) // max_model_len, the sequences a
     contiguous cache of the same KV memory could hold at once (compare with max_running_seqs);
     prefix_cache_hit_tokens (summed) and prefix_cache_hit_rate = prefix_cache_hit_tokens / admitted_tokens:
     the share of the prompt tokens (with the outputs a preempted sequence recomputes) served from the cache.
 """
 import bisect
+import math
 import time
 from dataclasses import dataclass, fields
 
@@ -120,10 +123,18 @@ class StatsRecorder:
     def __init__(self):
         self.steps: list[StepStats] = []
         self.start = self._last = time.perf_counter()
+        self.first_token_s: float | None = None  # seconds from the start until the host held a drawn token
 
     def restart_clock(self) -> None:
-        """Start timing now (the generate loop begins): wall time and the first step's time count from here."""
+        """Start timing now (the generate loop begins): wall time, the first step's time and the time to the
+        first token count from here."""
         self.start = self._last = time.perf_counter()
+        self.first_token_s = None
+
+    def token_resolved(self) -> None:
+        """A step's drawn tokens reached the host: the first time since the start, that is first_token_s."""
+        if self.first_token_s is None:
+            self.first_token_s = time.perf_counter() - self.start
 
     def lap(self) -> float:
         """Seconds since the previous lap (or the start)."""
@@ -142,6 +153,7 @@ class StatsRecorder:
         hits, admitted = sum(s.prefix_cache_hit_tokens for s in steps), sum(s.admitted_tokens for s in steps)
         return {
             "wall_time_s": end - self.start,
+            "first_token_s": math.nan if self.first_token_s is None else self.first_token_s,
             "num_steps": len(steps),
             "prefill_steps": sum(s.phase == "prefill" for s in steps),
             "decode_steps": sum(s.phase == "decode" for s in steps),

@@ -7,8 +7,8 @@ Three pieces, in the order the engine meets them:
 - GrammarCompiler: one per engine. submit() compiles a request's grammar on a worker thread (a Future,
   one per distinct StructuredOutputsParams.key); new_matcher() waits for it and gives the sequence its
   own GrammarMatcher, a copy of the compiled start state.
-- Per step: allocate_bitmask, then GrammarMatcher.fill_bitmask or fill_bitmasks (parallel) on the
-  host, then apply_bitmask on the logits' device; after the draw, GrammarMatcher.accept(token).
+- Per step: a bitmask (allocate_bitmask's shape), GrammarMatcher.fill_bitmask or fill_bitmasks (parallel)
+  on the host, then ops.apply_token_bitmask on the logits' device; after the draw, accept(token).
 
 The bitmask: int32 [rows, ceil(vocab / 32)]; token t is allowed iff bit t % 32 of word t // 32 is 1
 (llguidance's layout). Ids the tokenizer does not have (a model's padded vocabulary) are never
@@ -169,7 +169,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, max_threads: int = 4, eos_token_ids: Iterable[int] | None = None):
         eos = list(eos_token_ids or ()) or None  # llguidance refuses an empty list
         # llguidance refuses a vocabulary smaller than the tokenizer's; ids beyond vocab_size are then cut
-        # from the logits by apply_bitmask
+        # from the logits by ops.apply_token_bitmask
         self.vocab_size = max(vocab_size, len(tokenizer))  # the bitmask's vocabulary: allocate_bitmask's
         import llguidance.hf  # transformers with it: only once a constrained request comes, not at import
 
@@ -265,31 +265,12 @@ def _checked(bitmask: torch.Tensor) -> torch.Tensor:
     return bitmask
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """Words of a bitmask row for vocab_size tokens (GrammarCompiler.vocab_size): ceil(vocab_size / 32)."""
+    return -(-vocab_size // 32)
+
+
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """int32 [rows, ceil(vocab_size / 32)] on the CPU, every bit 1 (all allowed) until filled.
-    vocab_size: GrammarCompiler.vocab_size (a fill takes rows of exactly ceil(that / 32) words)."""
-    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set logits [R, V] (any float dtype, any device) to -inf in place where bitmask [R, W] (int32, on
-    the logits' device) disallows: token t is allowed iff bit t % 32 of word t // 32 is 1. Columns
-    t >= 32 * W are disallowed; bits for t >= V are ignored; a NaN logit stays NaN.
-
-    Each byte of the words (read little-endian, as on every device torch runs on) picks a row of caps
-    (_byte_caps) and the logits become min(logit, cap): a gather and a minimum, ~7x faster on the CPU
-    than masked_fill with a mask of bools."""
-    rows, vocab = logits.shape
-    width = min(vocab, 32 * bitmask.shape[1])
-    caps = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), _byte_caps(logits.device, logits.dtype))
-    kept = logits[:, :width]
-    torch.minimum(kept, caps.view(rows, -1)[:, :width], out=kept)
-    if width < vocab:
-        logits[:, width:] = float("-inf")
-
-
-@functools.cache
-def _byte_caps(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """[256, 8]: row b holds, for bit k of byte b, +inf if the bit is 1 (min(x, +inf) = x) else -inf."""
-    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
-    return torch.where(bits.bool(), float("inf"), float("-inf")).to(device=device, dtype=dtype)
+    """int32 [rows, bitmask_words(vocab_size)] on the CPU, every bit 1 (all allowed) until filled.
+    vocab_size: GrammarCompiler.vocab_size (a fill takes rows of exactly that many words)."""
+    return torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)

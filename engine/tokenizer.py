@@ -1,9 +1,9 @@
-"""Tokenizers: a checkpoint's own, or for random models a byte-level one (256 byte tokens + <|endoftext|>) with a
+"""Tokenizers: model.tokenizer's, a checkpoint's own, or for random models a byte-level one (256 byte tokens + <|endoftext|>) with a
 ChatML-like chat template."""
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.errors import ConfigError
-from engine.models.loader import resolve_model_path
+from engine.models.loader import TOKENIZER_FILES, resolve_checkpoint, resolve_model_path
 
 ENDOFTEXT = "<|endoftext|>"
 # ChatML's layout with its markers spelled out in byte tokens: as special tokens they would need a larger
@@ -31,11 +31,15 @@ def random_model_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(model_cfg):
-    """The tokenizer of model.path's checkpoint (the directory build_model loads), else random_model_tokenizer."""
-    path = resolve_model_path(model_cfg)
+    """The tokenizer in model.tokenizer (a directory or hub id) when set, else in model.path's checkpoint (the
+    directory build_model loads), else random_model_tokenizer."""
+    if model_cfg.tokenizer:
+        key, path = "model.tokenizer", resolve_checkpoint(model_cfg.tokenizer, "model.tokenizer", TOKENIZER_FILES)
+    else:
+        key, path = "model.path", resolve_model_path(model_cfg)
     if path is None:
         return random_model_tokenizer()
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:  # tokenizers and transformers raise many kinds for a broken file
-        raise ConfigError(f"model.path: cannot load the tokenizer in {path} ({type(err).__name__}: {err})") from None
+        raise ConfigError(f"{key}: cannot load the tokenizer in {path} ({type(err).__name__}: {err})") from None

@@ -51,6 +51,7 @@ class BenchJob:
     input_len: list[int] = field(default_factory=lambda: [100, 1024])
     output_len: list[int] = field(default_factory=lambda: [100, 1024])
     seed: int = 0
+    json_schemas: int = 0  # 1-4: request i is constrained to JSON schema i % this (jobs/bench.py's JSON_SCHEMAS); 0: none
     baseline: str = "none"  # none | hf
     hf_batch_size: int = 64
 
@@ -233,3 +234,4 @@ def validate(cfg) -> None:
         check_value(cfg.job.workload in workloads, "job.workload", f"must be one of {workloads}", cfg.job.workload)
         check_value(cfg.job.num_prompts >= 1, "job.num_prompts", "must be >= 1", cfg.job.num_prompts)
         check_value(cfg.job.baseline in ("none", "hf"), "job.baseline", "must be 'none' or 'hf'", cfg.job.baseline)
+        check_value(0 <= cfg.job.json_schemas <= 4, "job.json_schemas", "must be 0 (none) to 4", cfg.job.json_schemas)

@@ -180,6 +180,8 @@ class GenerateProcessor(Processor):
     def setup(self, llm: LLM) -> None:
         check_chat_input(self.job, self.columns, llm.check_chat_template)
         self.defaults = llm.default_sampling
+        if {"structured_outputs", "response_format"} & set(self.columns.sampling):  # rows may carry constraints
+            llm.prepare_structured_outputs()
 
     def preprocess(self, key: int, fields: dict) -> Request:
         return to_request(key, fields, self.defaults, self.job.chat_template)

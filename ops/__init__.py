@@ -139,6 +139,13 @@ def unpack_logprobs(packed):
     return packed[:, 0], packed[:, 1:1 + k], packed.view(torch.int32)[:, 1 + k:]
 
 
+def apply_token_bitmask(logits, bitmask, rows=None, backend=None):
+    """Structured outputs' masks, in place: logits row rows[i] ([B, V], any float dtype) keeps token t iff bit
+    t % 32 of bitmask[i, t // 32] is 1 (int32 [R, W] on the logits' device), else -inf; t >= 32 * W is
+    disallowed; rows int64 [R] distinct, None: row i. Returns logits (ops/sampling_reference.py)."""
+    return _pick(backend, logits, "sampling").apply_token_bitmask(logits, bitmask, rows)
+
+
 def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, presence, frequency):
     """Repetition (over prompt and outputs), presence and frequency (over outputs) penalties as batched
     torch ops on any device (ops/sampling_reference.apply_penalties): logits float32 [R, V], token_ids

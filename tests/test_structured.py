@@ -17,9 +17,10 @@ import re
 import pytest
 import torch
 
-from engine.structured import (GrammarCompiler, StructuredOutputsParams, allocate_bitmask, apply_bitmask,
-                               fill_bitmasks)
+import ops
+from engine.structured import GrammarCompiler, StructuredOutputsParams, allocate_bitmask, fill_bitmasks
 from engine.tokenizer import byte_level_tokenizer
+from test_fused import DEVICE
 
 VOCAB = 300  # the model's: 43 ids beyond the tokenizer's 257
 
@@ -311,17 +312,23 @@ def test_allocate_bitmask(vocab, words):
     assert (bitmask == -1).all()
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("vocab, words", [(VOCAB, 10), (VOCAB, 5), (40, 10)])  # exact, narrower, wider mask
-def test_apply_bitmask_matches_the_bits(seed, dtype, vocab, words):
+@pytest.mark.parametrize("vocab, words", [(VOCAB, 10), (VOCAB, 5), (40, 10), (5000, 157)])  # exact, narrower, wider
+@pytest.mark.parametrize("rows", [None, [4, 0, 2]])  # every row, or three of six in another order
+def test_apply_token_bitmask_matches_the_bits(backend, seed, dtype, vocab, words, rows):
     generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(4, vocab, generator=generator).to(dtype)
-    logits[torch.rand(4, vocab, generator=generator) < 0.05] = float("inf")  # -inf when disallowed, as any
-    bitmask = torch.randint(-2 ** 31, 2 ** 31, (4, words), generator=generator, dtype=torch.int64).to(torch.int32)
+    num_rows = 6 if rows else 4
+    logits = torch.randn(num_rows, vocab, generator=generator).to(dtype)
+    logits[torch.rand(num_rows, vocab, generator=generator) < 0.05] = float("inf")  # -inf when disallowed, as any
+    logits[0, :3] = float("nan")  # stays NaN, allowed or not
+    bitmask = torch.randint(-2 ** 31, 2 ** 31, (len(rows or range(num_rows)), words), generator=generator,
+                            dtype=torch.int64).to(torch.int32)
     expected = logits.clone()
-    for r, t in itertools.product(range(4), range(vocab)):
-        if t >= 32 * words or not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+    for (i, r), t in itertools.product(enumerate(rows or range(num_rows)), range(vocab)):
+        if not expected[r, t].isnan() and (t >= 32 * words or not (int(bitmask[i, t // 32]) >> (t % 32)) & 1):
             expected[r, t] = float("-inf")
-    apply_bitmask(logits, bitmask)
-    assert torch.equal(logits, expected), seed
+    out = ops.apply_token_bitmask(logits.to(DEVICE), bitmask.to(DEVICE),
+                                  None if rows is None else torch.tensor(rows, device=DEVICE), backend=backend)
+    assert torch.equal(out.cpu().nan_to_num(7.0), expected.nan_to_num(7.0)), seed

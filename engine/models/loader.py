@@ -20,7 +20,8 @@ from engine.models.registry import model_class
 from engine.models.rope import is_positive
 
 # What a hub snapshot needs: config.json, generation_config.json, the weights (and their index), tokenizer files.
-HUB_FILES = ["*.json", "*.safetensors", "merges.txt", "tokenizer.model", "*.jinja"]
+TOKENIZER_FILES = ["*.json", "merges.txt", "tokenizer.model", "*.jinja"]
+HUB_FILES = [*TOKENIZER_FILES, "*.safetensors"]
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 COUNT_KEYS = (*SHAPE_KEYS, "num_key_value_heads", "head_dim")  # positive integers where present
 SCALE_KEYS = ("rms_norm_eps",)  # positive finite numbers where present (rope_theta: engine/models/rope.py)
@@ -28,17 +29,21 @@ COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)  # stored by some checkpoints; the m
 
 
 def resolve_model_path(model_cfg) -> Path | None:
-    """model.path as a local checkpoint directory; None for random weights. A path that is not a directory
-    but reads as a Hugging Face id (org/name) is that model's snapshot in the hub cache (HF_HUB_CACHE),
-    downloaded first where the network allows; offline (HF_HUB_OFFLINE=1) or unreachable, the cached one."""
-    if not model_cfg.path:
-        return None
-    path = Path(model_cfg.path).expanduser()
+    """model.path as a local checkpoint directory (resolve_checkpoint's); None for random weights."""
+    return resolve_checkpoint(model_cfg.path, "model.path", HUB_FILES) if model_cfg.path else None
+
+
+def resolve_checkpoint(value: str, key: str, patterns: list[str]) -> Path:
+    """The setting `key`'s value as a local directory. A value that is not a directory but reads as a Hugging
+    Face id (org/name) is that repository's snapshot in the hub cache (HF_HUB_CACHE; its files matching
+    patterns), downloaded first where the network allows; offline (HF_HUB_OFFLINE=1) or unreachable, the
+    cached one. ConfigError naming key otherwise."""
+    path = Path(value).expanduser()
     if path.is_dir():
         return path
-    if not _is_hub_id(model_cfg.path):
-        raise ConfigError(f"model.path {model_cfg.path!r} is not a directory (nor a Hugging Face id, org/name)")
-    return _hub_snapshot(model_cfg.path, str(constants.HF_HUB_CACHE))
+    if not _is_hub_id(value):
+        raise ConfigError(f"{key} {value!r} is not a directory (nor a Hugging Face id, org/name)")
+    return _hub_snapshot(value, str(constants.HF_HUB_CACHE), key, tuple(patterns))
 
 
 def _is_hub_id(text: str) -> bool:
@@ -50,20 +55,20 @@ def _is_hub_id(text: str) -> bool:
 
 
 @functools.cache
-def _hub_snapshot(repo_id: str, cache_dir: str) -> Path:
+def _hub_snapshot(repo_id: str, cache_dir: str, key: str, patterns: tuple[str, ...]) -> Path:
     """Once per process and cache: online, each call asks the Hub for the newest commit."""
     try:
-        return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=HUB_FILES))
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir, allow_patterns=list(patterns)))
     except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise ConfigError(f"model.path {repo_id!r} is not a directory, and the Hugging Face Hub has no model {repo_id!r} "
+        raise ConfigError(f"{key} {repo_id!r} is not a directory, and the Hugging Face Hub has no model {repo_id!r} "
                           f"that this machine may read (a gated or private one needs `hf auth login`)") from None
     except LocalEntryNotFoundError:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hugging Face Hub cannot be reached"
-        raise ConfigError(f"model.path {repo_id!r} is neither a directory nor in the local Hugging Face cache "
+        raise ConfigError(f"{key} {repo_id!r} is neither a directory nor in the local Hugging Face cache "
                           f"({cache_dir}), and {reason}: download it first, where the network is reachable, with "
                           f"`hf download {repo_id}`, or set HF_HUB_CACHE to a cache that holds it") from None
     except OSError as err:  # HTTP errors too
-        raise ConfigError(f"model.path {repo_id!r}: downloading it from the Hugging Face Hub failed: {err}") from None
+        raise ConfigError(f"{key} {repo_id!r}: downloading it from the Hugging Face Hub failed: {err}") from None
 
 
 def read_json_config(file: Path) -> dict:

@@ -1,0 +1,102 @@
+"""Where a constrained step's extra time goes: the bench's JSON-schema workload (jobs/bench.py,
+job.json_schemas) through the engine, with the model runner's structured-output work timed in place.
+
+Per step that applies masks, on the host (time.perf_counter): the whole of ModelRunner._constrained, and
+inside it the wait for the previous step's tokens, the masks' fill (fill_bitmasks, llguidance's threads);
+the rest is the matchers' accepts and the upload's and the kernel's launches. On the device (CUDA events
+around ops.apply_token_bitmask): the kernel. Then the upload alone: a pinned [rows, words] int32 bitmask
+copied to the device, timed with events.
+Usage: python3 benchmarks/structured_profile.py TOKENIZER_DIR [NUM_PROMPTS] [JSON_SCHEMAS]
+       (a tokenizer saved by `benchmarks/grammar_backends.py --save`; defaults 256 prompts, 4 schemas)
+"""
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ops  # noqa: E402
+from benchmarks.profile_decode import bench_engine  # noqa: E402
+from engine import model_runner  # noqa: E402
+from engine.generation_config import resolve_sampling  # noqa: E402
+from engine.structured import bitmask_words  # noqa: E402
+from jobs.bench import workload  # noqa: E402
+
+
+def timed(record: list, function):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record.append(time.perf_counter() - start)
+    return run
+
+
+def main(tokenizer: str, num_prompts: int, schemas: int) -> None:
+    engine = bench_engine(f"model.tokenizer={tokenizer}", "job.workload=random", f"job.num_prompts={num_prompts}",
+                          "job.input_len=[100,1024]", "job.output_len=[100,1024]", f"job.json_schemas={schemas}",
+                          "sampling.temperature=0.6")
+    requests = workload(engine.cfg.job, resolve_sampling(engine.cfg.sampling, engine.generation_config),
+                        engine.model.arch.vocab_size)
+    start = time.perf_counter()
+    engine.grammars  # noqa: B018 (built here, as the bench job's setup builds it)
+    print(f"grammar compiler: {time.perf_counter() - start:.2f} s for {len(engine.tokenizer)} tokens", flush=True)
+
+    constrained, waits, fills, kernels, rows = [], [], [], [], []
+    runner = engine.runner
+    plain_constrained = runner._constrained
+
+    def constrained_step(processed, logits, drawing, output_index, previous, previous_tokens):
+        rows.append(sum(s.constraint is not None for s in drawing))
+        return plain_constrained(processed, logits, drawing, output_index, previous, timed(waits, previous_tokens))
+
+    runner._constrained = timed(constrained, constrained_step)
+    model_runner.fill_bitmasks = timed(fills, model_runner.fill_bitmasks)
+    plain_apply = ops.apply_token_bitmask
+
+    def apply(*args, **kwargs):
+        if not torch.cuda.is_available():
+            return plain_apply(*args, **kwargs)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = plain_apply(*args, **kwargs)
+        end.record()
+        kernels.append((begin, end))
+        return out
+
+    ops.apply_token_bitmask = apply
+    with torch.inference_mode():
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(str(i), prompt, params)
+        engine.stats.restart_clock()
+        start = time.perf_counter()
+        tokens = sum(len(s.output_token_ids) for s in engine.run())
+        wall = time.perf_counter() - start
+    steps = len(engine.stats.steps)
+    ms = lambda values: 1e3 * sum(values) / max(len(constrained), 1)  # noqa: E731  (per step with masks)
+    print(f"{num_prompts} requests, {schemas} schemas: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s; "
+          f"{steps} steps, {len(constrained)} with masks, {statistics.mean(rows or [0]):.0f} constrained rows a step; "
+          f"first token {engine.stats.first_token_s:.3f} s")
+    print(f"per step with masks: host _constrained {ms(constrained):.3f} ms = wait for the previous tokens "
+          f"{ms(waits):.3f} ms + fill {ms(fills):.3f} ms + the rest; "
+          f"device apply kernel {statistics.mean([b.elapsed_time(e) for b, e in kernels] or [0]):.3f} ms")
+    width = bitmask_words(engine.grammars.vocab_size)
+    for count in (64, 256) if torch.cuda.is_available() else ():
+        host = torch.empty((count, width), dtype=torch.int32, pin_memory=True)
+        device = torch.empty_like(host, device="cuda")
+        times = []
+        for _ in range(20):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            device.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        print(f"upload of a pinned [{count}, {width}] int32 bitmask: median {statistics.median(times):.3f} ms")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 256, int(sys.argv[3]) if len(sys.argv) > 3 else 4)
