@@ -25,6 +25,7 @@ from engine.structured import StructuredOutputsParams
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("fp8",)  # model.quantization
 CASCADE_MODES = ("auto", "on", "off")
 THREADED_HIDDEN_SIZE = 1024  # below this a layer's matmuls are too small to share between CPU threads
 
@@ -33,6 +34,7 @@ THREADED_HIDDEN_SIZE = 1024  # below this a layer's matmuls are too small to sha
 class ModelConfig:
     name: str = "tiny"  # a label for the model, written to summary.parquet
     path: Optional[str] = None  # a checkpoint directory or a Hugging Face id (org/name); null: random weights of the shape below
+    quantization: Optional[str] = None  # fp8: the decoder layers' weights rounded to FP8 on load (e4m3, a scale per output row); an FP8 checkpoint's own format is read from its config.json
     tokenizer: Optional[str] = None  # a tokenizer's directory or Hugging Face id other than model.path's; null: the checkpoint's (random weights: a byte-level one)
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16; auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto | cpu | cuda; auto: CUDA when present
@@ -228,6 +230,8 @@ def check_engine_config(cfg) -> None:
     m, c, s = cfg.model, cfg.cache, cfg.scheduler
     check_value(m.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}", m.dtype)
     check_value(m.device in DEVICES, "model.device", f"must be one of {DEVICES}", m.device)
+    check_value(m.quantization is None or m.quantization in QUANTIZATIONS, "model.quantization",
+                f"must be null or one of {QUANTIZATIONS}", m.quantization)
     check_value(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
     check_value(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
     check_value(c.block_size >= 1, "cache.block_size", "must be >= 1", c.block_size)

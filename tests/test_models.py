@@ -184,7 +184,8 @@ def test_weight_footprint_by_hand(make_config, architecture, tied, nonembed):
 
 
 @pytest.mark.parametrize("name, architecture, params", [
-    ("llama-3.2-1b", "LlamaForCausalLM", 1_235_814_400), ("qwen2.5-0.5b", "Qwen2ForCausalLM", 494_032_768)])
+    ("llama-3.2-1b", "LlamaForCausalLM", 1_235_814_400), ("qwen2.5-0.5b", "Qwen2ForCausalLM", 494_032_768),
+    ("qwen3-8b", "Qwen3ForCausalLM", 8_190_735_360), ("llama-3.3-70b", "LlamaForCausalLM", 70_553_706_496)])
 def test_model_configs_have_the_published_sizes(make_config, name, architecture, params):
     cls, arch, _ = model_spec(make_config(f"model={name}").model, None)
     assert cls.__name__ == architecture

@@ -16,6 +16,8 @@ from safetensors import SafetensorError, safe_open
 from engine.errors import ConfigError
 from engine.models.decoder import FOLDED_NORMS, DecoderArch, DecoderForCausalLM, DecoderLayer
 from engine.models.layers import PackedLinear
+from engine.models.quantization import (ACTIVATION_SCALES, FP8_DTYPES, WeightFormat, dequantize,
+                                        round_projections_to_fp8, weight_format)
 from engine.models.registry import model_class
 from engine.models.rope import is_positive
 
@@ -147,19 +149,23 @@ def checkpoint_target(name: str, packed_modules_mapping: dict) -> tuple[str, int
     return f"{parent}.{packed}.{leaf}", shard
 
 
-def load_weights(model: DecoderForCausalLM, path: Path) -> None:
+def load_weights(model: DecoderForCausalLM, path: Path, fmt: WeightFormat | None = None) -> None:
     """Copy every tensor of the checkpoint's safetensors files into its parameter, or its shard of a
-    PackedLinear (model.packed_modules_mapping); ConfigError, naming the file and tensor, for a tensor
-    that has no place in the model or does not fit it, and for parameters no tensor filled."""
+    PackedLinear (model.packed_modules_mapping); an FP8 weight dequantized by its scale (fmt, the
+    checkpoint's WeightFormat: engine/models/quantization.py). ConfigError, naming the file and tensor, for
+    a tensor that has no place in the model or does not fit it, an FP8 weight without its scale or with
+    one of the wrong shape, and for parameters no tensor filled."""
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
     needed = {(name, shard) for name, param in params.items()
               for shard in _shards(modules[name.rpartition(".")[0]])}
-    loaded = set()
-    for file in sorted(path.glob("*.safetensors")):
+    loaded, files = set(), sorted(path.glob("*.safetensors"))
+    scales = _scale_tensors(files, fmt) if fmt else {}
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    if name.endswith(COMPUTED_BUFFERS) or (name == "lm_head.weight" and model.arch.tie_word_embeddings):
+                    if name.endswith(COMPUTED_BUFFERS) or (name == "lm_head.weight" and model.arch.tie_word_embeddings) \
+                            or name in scales or name.endswith(ACTIVATION_SCALES):
                         continue
                     target, shard = checkpoint_target(name, model.packed_modules_mapping)
                     if target not in params:
@@ -172,6 +178,8 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
                     if param.shape != tensor.shape:
                         raise ConfigError(f"model.path: {file} holds {name} of shape {tuple(tensor.shape)}, which "
                                           f"does not fit the shape config.json gives the model")
+                    if tensor.dtype in FP8_DTYPES:
+                        tensor = _dequantized(tensor, name, file, fmt, scales)
                     with torch.no_grad():
                         param.copy_(tensor)
                     loaded.add((target, shard))
@@ -180,6 +188,31 @@ def load_weights(model: DecoderForCausalLM, path: Path) -> None:
     missing = sorted({name for name, _ in needed - loaded})
     if missing:
         raise ConfigError(f"model.path {str(path)!r}: weights missing for {missing[:5]}")
+
+
+def _scale_tensors(files: list[Path], fmt: WeightFormat) -> dict[str, tuple[torch.Tensor, Path]]:
+    """Every weight scale of the checkpoint (fmt's scale tensors: small), by name, with its file: a weight
+    and its scale may lie in different files."""
+    scales = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                scales.update({name: (f.get_tensor(name), file) for name in f.keys() if name.endswith(fmt.scale_suffix)})
+        except (SafetensorError, OSError) as err:
+            raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
+    return scales
+
+
+def _dequantized(tensor: torch.Tensor, name: str, file: Path, fmt: WeightFormat | None,
+                 scales: dict[str, tuple[torch.Tensor, Path]]) -> torch.Tensor:
+    if fmt is None:
+        raise ConfigError(f"model.path: {file} holds {name} in {tensor.dtype}, but config.json has no "
+                          f"quantization_config to say how it is scaled")
+    scale_name = fmt.scale_name(name)
+    if scale_name not in scales:
+        raise ConfigError(f"model.path: {file} holds {name} in {tensor.dtype} without its scale {scale_name}")
+    scale, scale_file = scales[scale_name]
+    return dequantize(tensor, scale, fmt, f"model.path: {scale_file} holds {scale_name}, which")
 
 
 def _shards(module) -> list[int | None]:
@@ -202,18 +235,22 @@ def init_random_weights(model: DecoderForCausalLM, seed: int, std: float) -> Non
 
 
 def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[DecoderForCausalLM, list[int]]:
-    """The model on `device` in `dtype`, its norm weights folded (in float32, before the cast), and its EOS
-    token ids."""
+    """The model on `device` in `dtype`, its FP8 weights dequantized (a checkpoint's) or its projections
+    rounded to FP8 (model.quantization=fp8), its norm weights folded (in float32, before the cast), and its
+    EOS token ids."""
     path = resolve_model_path(model_cfg)
     if path:
         check_checkpoint(path)
     cls, arch, eos = model_spec(model_cfg, path)
+    fmt = weight_format(read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}") if path else None
     with torch.device(device):  # built where it runs: a 0.6B model's CPU init took ~8 s of a GPU job's start-up
         model = cls(arch, model_cfg.max_model_len)
     if path:
-        load_weights(model, path)
+        load_weights(model, path, fmt)
     else:
         init_random_weights(model, model_cfg.seed, model_cfg.initializer_range)
+    if model_cfg.quantization == "fp8" and fmt is None:  # an FP8 checkpoint is rounded already
+        round_projections_to_fp8(m for m in model.modules() if isinstance(m, DecoderLayer))
     model.fold_norm_weights()
     return model.requires_grad_(False).to(device=device, dtype=dtype).eval(), eos
 

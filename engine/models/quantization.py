@@ -1,0 +1,120 @@
+"""FP8 weights: the checkpoint formats the loader reads, and FP8 rounding on load (model.quantization=fp8).
+
+A checkpoint says its format in config.json's quantization_config (WeightFormat, from weight_format):
+- quant_method "fp8" (Qwen's Qwen3-*-FP8, vLLM's Fp8Config): each quantized weight W [out, in] is stored
+  in float8_e4m3fn with `<name>_scale_inv` float32 [ceil(out / bo), ceil(in / bi)] for weight_block_size
+  [bo, bi]: W = q * scale over each bo x bi block (the last ones may be partial).
+- quant_method "compressed-tensors", format float-quantized, 8-bit float weights (llm-compressor's FP8 and
+  FP8_DYNAMIC): `<name>_scale` [out, 1] (strategy channel) or [1] (strategy tensor): W = q * scale per row.
+Which weights are quantized is read from their dtype (a format's ignore list, lm_head for one, keeps bf16).
+Activation scales (`input_scale`: static activation quantization) are not read.
+
+model.quantization=fp8 rounds the decoder layers' projections of any weights to e4m3 on load, one scale per
+output row (amax / 448), as vLLM's quantization="fp8" does.
+
+The model computes with the dequantized weights (q * scale in float32, then the norm fold and the cast to
+the run's dtype), on every device: an FP8 checkpoint runs as the model its FP8 weights round to.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ConfigError
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+ACTIVATION_SCALES = ("input_scale",)  # tensors of a format that the dequantized model does not use
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a checkpoint's FP8 weights are scaled: strategy block (block = (rows, columns) per scale),
+    channel (a scale per output row) or tensor (one scale); each weight's scale is the tensor named
+    `<weight name>` + scale_suffix[len("weight"):], e.g. q_proj.weight -> q_proj.weight_scale_inv."""
+
+    strategy: str
+    scale_suffix: str
+    block: tuple[int, int] | None = None
+
+    def scale_name(self, weight_name: str) -> str:
+        return weight_name.removesuffix("weight") + self.scale_suffix
+
+
+def weight_format(config: dict, where: str) -> WeightFormat | None:
+    """The WeightFormat of a config.json dict (None: no quantization_config); ConfigError naming
+    quantization_config's key for a format the loader does not read."""
+    spec = config.get("quantization_config")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{where}: quantization_config must be an object, got {spec!r}")
+    method = spec.get("quant_method")
+    if method == "fp8":
+        block = spec.get("weight_block_size")
+        if block is None:
+            return WeightFormat("tensor", "weight_scale_inv")
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b >= 1 for b in block)):
+            raise ConfigError(f"{where}: quantization_config.weight_block_size must be [rows, columns] of positive "
+                              f"integers, got {block!r}")
+        return WeightFormat("block", "weight_scale_inv", tuple(block))
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(spec, where)
+    raise ConfigError(f"{where}: quantization_config.quant_method {method!r} is not read here (supported: 'fp8', "
+                      f"and 'compressed-tensors' with FP8 weights)")
+
+
+def _compressed_tensors_format(spec: dict, where: str) -> WeightFormat:
+    groups = spec.get("config_groups") or {}
+    schemes = [(name, group.get("weights") or {}) for name, group in groups.items()]
+    if spec.get("format") not in (None, "float-quantized") or not schemes:
+        raise ConfigError(f"{where}: quantization_config (compressed-tensors) format {spec.get('format')!r} is not "
+                          f"read here: only FP8 weights (format float-quantized)")
+    strategies = set()
+    for name, weights in schemes:
+        if weights.get("num_bits") != 8 or weights.get("type") != "float" or weights.get("strategy") not in ("channel", "tensor"):
+            raise ConfigError(f"{where}: quantization_config.config_groups.{name}.weights {weights!r} is not read here: "
+                              f"only 8-bit float weights with strategy channel or tensor")
+        strategies.add(weights["strategy"])
+    if len(strategies) > 1:
+        raise ConfigError(f"{where}: quantization_config.config_groups mix weight strategies {sorted(strategies)}")
+    return WeightFormat(strategies.pop(), "weight_scale")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, what: str) -> torch.Tensor:
+    """weight (FP8, [out, in]) times its scale, in float32; ConfigError naming `what` (the scale tensor
+    and its file) when the scale's shape does not fit the weight under fmt."""
+    out, columns = weight.shape
+    if fmt.strategy == "block":
+        rows, cols = fmt.block
+        expected = (-(-out // rows), -(-columns // cols))
+        if tuple(scale.shape) != expected:
+            raise ConfigError(f"{what} has shape {tuple(scale.shape)}; a {fmt.block} block scale of a "
+                              f"{out} x {columns} weight has shape {expected}")
+        scale = scale.float().repeat_interleave(rows, 0)[:out].repeat_interleave(cols, 1)[:, :columns]
+    elif fmt.strategy == "channel":
+        if scale.numel() != out or scale.dim() not in (1, 2) or scale.shape[0] != out:
+            raise ConfigError(f"{what} has shape {tuple(scale.shape)}; a per-channel scale of a {out} x {columns} "
+                              f"weight has shape ({out}, 1)")
+        scale = scale.float().reshape(out, 1)
+    else:
+        if scale.numel() != 1:
+            raise ConfigError(f"{what} has shape {tuple(scale.shape)}; a per-tensor scale has one element")
+        scale = scale.float().reshape(1, 1)
+    return weight.float() * scale
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [out, in], scale float32 [out, 1]) with weight ~ q * scale: scale = the row's
+    largest magnitude / 448 (a zero row: 1), so each row's largest weight maps to e4m3's largest value."""
+    amax = weight.detach().float().abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def round_projections_to_fp8(layers) -> None:
+    """model.quantization=fp8: every projection of the decoder layers (the Linear modules inside them)
+    becomes the dequantized value of its per-channel e4m3 quantization, in place."""
+    with torch.no_grad():
+        for module in (m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+            q, scale = quantize_per_channel(module.weight)
+            module.weight.copy_(q.float() * scale)
