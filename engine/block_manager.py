@@ -6,8 +6,9 @@ Address map (docs/design.md): for token position p of a sequence with block tabl
 Worked example: B = 4, T = [5, 2, 9, 1]; position 6 is in logical block 1 at offset 2, physical
 block 2, so slot 2 * 4 + 2 = 10.
 
-Prefix caching: a full block is named by hash_block(parent block's hash, its token ids), a 128-bit
-blake2b chained over the sequence, so equal hashes mean equal whole prefixes. cached_block_of maps a
+Prefix caching: a full block is named by the 128-bit blake2b of its parent block's hash (none for a
+sequence's first block) then its token ids as little-endian int64 (extend_block_hashes): chained over
+the sequence, so equal hashes mean equal whole prefixes. cached_block_of maps a
 hash to the one block holding it. A block's reference count is the number of live block tables that
 hold it; a block released to ref 0 keeps its hash (cached, evictable) and is reused by the next
 sequence whose prompt hits it. Allocation takes free blocks first and evicts the least recently used
@@ -82,21 +83,14 @@ def internal_waste(sequence_length: int, block_size: int) -> int:
     return -sequence_length % block_size
 
 
-def hash_block(parent: bytes | None, token_ids) -> bytes:
-    """128-bit blake2b of the parent block's hash (b"" for a sequence's first block) then the
-    block's token ids as little-endian int64."""
-    digest = hashlib.blake2b(parent or b"", digest_size=HASH_BYTES)
-    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    return digest.digest()
-
-
 def extend_block_hashes(hashes: list[bytes], new_token_ids, block_size: int) -> list[bytes]:
     """Append to hashes (in place; also returned) the chained hashes of the full blocks that follow
-    them. new_token_ids are a sequence's known tokens (prompt and resolved outputs) from position
+    them: blake2b-128 of the previous hash (b"" for the first block) then the block's ids as little-endian
+    int64. new_token_ids are a sequence's known tokens (prompt and resolved outputs) from position
     len(hashes) * block_size on; a partial block at their end is left for a later call."""
     packed, width = np.asarray(new_token_ids, dtype="<i8").tobytes(), 8 * block_size  # one conversion, sliced
     parent = hashes[-1] if hashes else b""
-    for start in range(0, len(packed) - width + 1, width):  # hash_block's digest, without its per-block conversion
+    for start in range(0, len(packed) - width + 1, width):
         parent = hashlib.blake2b(parent + packed[start:start + width], digest_size=HASH_BYTES).digest()
         hashes.append(parent)
     return hashes

@@ -11,7 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from engine.block_manager import (
     DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError,
-    extend_block_hashes, hash_block,
+    extend_block_hashes,
 )
 from engine.sequence import SamplingParams, Sequence
 
@@ -84,7 +84,7 @@ def test_hand_worked_trace():
     manager.append_token("B"), device.write("B", [23], 11)
     b_hashes = extend_block_hashes([], b, 4)
     manager.register_full_blocks("B", b_hashes)
-    assert manager.block_hash[3] == hash_block(b_hashes[1], [20, 21, 22, 23])
+    assert manager.block_hash[3] == block_digest(b_hashes[1], [20, 21, 22, 23])
     # B is preempted: its table [0 1 3] is visited tail first, so the LRU is 3, 1, 0 (3 goes first).
     manager.release_sequence("B")
     assert list(manager.cached_blocks) == [3, 1, 0] and manager.num_free_blocks == 7
@@ -112,21 +112,30 @@ def test_hand_worked_trace():
     assert manager.invariants_ok()
 
 
+def block_digest(parent: bytes, tokens) -> bytes:
+    """The hash's definition, built independently: blake2b-128 of the parent's hash then the ids as
+    little-endian int64 (struct, not numpy)."""
+    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
+
+
+def one_block(tokens, parent: bytes | None = None) -> bytes:
+    """The engine's hash of one full block after `parent`."""
+    return extend_block_hashes([parent] if parent else [], tokens, len(tokens))[-1]
+
+
 def test_hash_format_and_chaining():
     tokens = [3, 1, 4, 1]
-    digest = hash_block(None, tokens)
-    assert len(digest) == 16 and digest == hash_block(b"", tokens)
-    packed = struct.pack("<4q", *tokens)  # the little-endian int64 layout, built independently
-    assert digest == hashlib.blake2b(packed, digest_size=16).digest()
-    assert hash_block(digest, tokens) == hashlib.blake2b(digest + packed, digest_size=16).digest()
-    assert hash_block(None, [1, 4, 1, 3]) != digest                      # order matters
-    assert hash_block(None, [2**40, 0]) != hash_block(None, [0, 2**40])  # int64, not truncated
-    assert hash_block(digest, [9, 9]) != hash_block(hash_block(None, [3, 1, 4, 2]), [9, 9])  # parent matters
+    digest = one_block(tokens)
+    assert len(digest) == 16 and digest == block_digest(b"", tokens)
+    assert one_block(tokens, digest) == block_digest(digest, tokens)
+    assert one_block([1, 4, 1, 3]) != digest                      # order matters
+    assert one_block([2**40, 0]) != one_block([0, 2**40])         # int64, not truncated
+    assert one_block([9, 9], digest) != one_block([9, 9], one_block([3, 1, 4, 2]))  # parent matters
 
     hashes = extend_block_hashes([], [1, 2, 3], 2)  # one full block
     same = hashes
     assert extend_block_hashes(hashes, [3, 4, 5], 2) is same and len(hashes) == 2  # from position 2 on
-    assert hashes == [hash_block(None, [1, 2]), hash_block(hash_block(None, [1, 2]), [3, 4])]
+    assert hashes == [block_digest(b"", [1, 2]), block_digest(block_digest(b"", [1, 2]), [3, 4])]
     assert extend_block_hashes([], [7, 7, 1, 2], 2)[1] != hashes[1]  # same block tokens, other prefix
 
 
