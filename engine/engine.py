@@ -222,8 +222,6 @@ class LLMEngine:
         stats.cascade_rows = self.runner.cascade_rows if batch.seqs else 0
         self._account(batch)
         finished = self._resolve(self._in_flight) if self._in_flight else []
-        if self._in_flight and self._in_flight.seqs:
-            self.stats.token_resolved()
         self._in_flight = launched
         stats.finished, stats.step_time_s = len(finished), self.stats.lap()
         self._slowest_step_s = max(self._slowest_step_s, stats.step_time_s)
@@ -249,6 +247,8 @@ class LLMEngine:
     def _resolve(self, step: InFlight) -> list[Sequence]:
         """Fill in the tokens of a finished step and retire the sequences they end."""
         finished, tokens, logprobs = [], self._tokens(step), step.logprobs
+        if tokens:
+            self.stats.token_resolved()
         if logprobs is not None:
             logprobs.add_prompts()
         for row, (seq, index, token) in enumerate(zip(step.seqs, step.output_index, tokens)):

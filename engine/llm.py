@@ -34,7 +34,6 @@ from engine.models.loader import to_hf_model
 from engine.outputs import OutputProcessor, RequestOutput
 from engine.sequence import SamplingParams
 from engine.stats import FloorModel, StepStats, floor_model, steps_table
-from engine.structured import StructuredOutputsParams
 
 # a dict prompt holds one of these keys, as vLLM's TextPrompt and TokensPrompt: its type, in words
 DICT_PROMPTS = {"prompt": (str, "a string"), "prompt_token_ids": ((list, tuple), "a list of token ids")}
@@ -138,13 +137,11 @@ class LLM:
         """transformers' model with this engine's weights (a baseline to compare with)."""
         return to_hf_model(self.engine.model)
 
-    def prepare_structured_outputs(self, constraints: Iterable[StructuredOutputsParams] = ()) -> None:
-        """Build the grammar compiler now, and start compiling `constraints` on its threads: a job whose
-        rows may carry constraints calls it before its rows come, so that the first constrained request
-        does not wait for the grammar library to take the tokenizer (~2 s for 150k tokens, once)."""
-        compiler = self.engine.grammars
-        for params in constraints:
-            compiler.submit(params)
+    def prepare_structured_outputs(self) -> None:
+        """Build the grammar compiler now: a job whose rows may carry constraints calls it before its rows
+        come, so that the first constrained request does not wait for the grammar library to take the
+        tokenizer (~2 s for 150k tokens, once)."""
+        self.engine.grammars  # noqa: B018 (a cached_property: reading it builds it)
 
     def close(self) -> None:
         """Free the KV cache and the CUDA graphs; generating afterwards is an error."""

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from engine.errors import ConfigError
 from engine.llm import LLM, SamplingParams
@@ -151,8 +151,6 @@ def test_random_weights_take_quantization_fp8():
 def test_a_broken_fp8_checkpoint_is_named(qwen3_checkpoint, tmp_path, prompts, damage, message):
     path, _ = fp8_checkpoint(qwen3_checkpoint, tmp_path / "fp8", QWEN_FP8, lambda w: block_quantized(w, *BLOCK),
                              lambda q, s: block_dequantized(q, s, *BLOCK))
-    from safetensors.torch import load_file
-
     state, config = load_file(path / "model.safetensors"), json.loads((path / "config.json").read_text())
     damage(config, state)
     save_file(state, path / "model.safetensors")
