@@ -2,10 +2,11 @@
 job.json_schemas) through the engine, with the model runner's structured-output work timed in place.
 
 Per step that applies masks, on the host (time.perf_counter): the whole of ModelRunner._constrained, and
-inside it the wait for the previous step's tokens, the masks' fill (fill_bitmasks, llguidance's threads);
-the rest is the matchers' accepts and the upload's and the kernel's launches. On the device (CUDA events
-around ops.apply_token_bitmask): the kernel. Then the upload alone: a pinned [rows, words] int32 bitmask
-copied to the device, timed with events.
+inside it the wait for the previous step's tokens and the masks' fill (fill_bitmasks, llguidance's
+threads); the rest is the matchers' accepts and the upload's and the kernel's launches. On the device (CUDA
+events around ops.apply_token_bitmask): the kernel. Then, outside the engine, the fill and the accepts (one
+by one, against llguidance's parallel consume_token_par) at 32, 128 and 512 rows; and the upload alone: a
+pinned [rows, words] int32 bitmask copied to the device, timed with events.
 Usage: python3 benchmarks/structured_profile.py TOKENIZER_DIR [NUM_PROMPTS] [JSON_SCHEMAS]
        (a tokenizer saved by `benchmarks/grammar_backends.py --save`; defaults 256 prompts, 4 schemas)
 """
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,7 +23,7 @@ import ops  # noqa: E402
 from benchmarks.profile_decode import bench_engine  # noqa: E402
 from engine import model_runner  # noqa: E402
 from engine.generation_config import resolve_sampling  # noqa: E402
-from engine.structured import bitmask_words  # noqa: E402
+from engine.structured import _executor, allocate_bitmask, bitmask_words, fill_bitmasks  # noqa: E402
 from jobs.bench import workload  # noqa: E402
 
 
@@ -83,6 +85,7 @@ def main(tokenizer: str, num_prompts: int, schemas: int) -> None:
     print(f"per step with masks: host _constrained {ms(constrained):.3f} ms = wait for the previous tokens "
           f"{ms(waits):.3f} ms + fill {ms(fills):.3f} ms + the rest; "
           f"device apply kernel {statistics.mean([b.elapsed_time(e) for b, e in kernels] or [0]):.3f} ms")
+    accept_costs(engine.grammars, requests, (32, 128, 512))
     width = bitmask_words(engine.grammars.vocab_size)
     for count in (64, 256) if torch.cuda.is_available() else ():
         host = torch.empty((count, width), dtype=torch.int32, pin_memory=True)
@@ -96,6 +99,32 @@ def main(tokenizer: str, num_prompts: int, schemas: int) -> None:
             end.synchronize()
             times.append(begin.elapsed_time(end))
         print(f"upload of a pinned [{count}, {width}] int32 bitmask: median {statistics.median(times):.3f} ms")
+
+
+def accept_costs(compiler, requests, counts, steps: int = 24) -> None:
+    """Per step at R rows (the requests' constraints in turn, each row walking random allowed tokens): the
+    masks' fill, and one accepted token per row one by one (GrammarMatcher.accept) against llguidance's
+    consume_token_par (its threads), alternating steps; medians."""
+    rng = np.random.default_rng(0)
+    for count in counts:
+        matchers = [compiler.new_matcher(requests[i % len(requests)][1].structured_outputs, None) for i in range(count)]
+        bitmask = allocate_bitmask(count, compiler.vocab_size)
+        fill, serial, parallel = [], [], []
+        for step in range(steps):
+            start = time.perf_counter()
+            fill_bitmasks(((m, i) for i, m in enumerate(matchers)), bitmask)
+            fill.append(time.perf_counter() - start)
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+            tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
+            start = time.perf_counter()
+            if step % 2:
+                _executor().consume_token_par([(m._matcher, t) for m, t in zip(matchers, tokens)])
+            else:
+                for m, t in zip(matchers, tokens):
+                    m.accept(t)
+            (parallel if step % 2 else serial).append(time.perf_counter() - start)
+        ms = lambda values: 1e3 * statistics.median(values)  # noqa: E731
+        print(f"{count} rows: fill {ms(fill):.3f} ms; accept one by one {ms(serial):.3f} ms, consume_token_par {ms(parallel):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ in its SequenceState; only this manager computes, matches and registers them (ha
 cached_prefix, register_full_blocks, register_known_blocks). On the sequence, because a sequence is
 matched while it waits, when this manager holds no state for it (before its first admission, and after
 a preemption, when its own blocks are usually still cached), and the n samples of a prompt share its
-hashes: so each full block is hashed once, when the host learns its last token id (a decode token's,
-one step after its slot is allocated), and the hashes survive a preemption. Kept here, they would go
+hashes: so each full block is hashed once, when the host learns its last token id (a prompt's when
+the scheduler first considers it for admission, a decode token's one step after its slot is allocated),
+and the hashes survive a preemption. Kept here, they would go
 with the state at a preemption, and a waiting prompt would be hashed again at each admission attempt.
 The methods that take a seq read only its block_hashes, token ids and scores_prompt; this module does
 not import engine/sequence.py, which imports it (for SequenceState).
@@ -171,9 +172,12 @@ class KVBlockManager:
             blocks.append(block)
         return blocks
 
-    def cached_prefix(self, seq) -> list[int]:
+    def cached_prefix(self, seq, samples=()) -> list[int]:
         """The cached blocks an admission of seq starts with: match_prefix of its hashes, short of the
-        block of its last token (whose logits are needed, so it is computed)."""
+        block of its last token (whose logits are needed, so it is computed). Hashes its known full
+        blocks first (hash_known_blocks, with `samples`), so a prompt is hashed when it is first
+        considered for admission: in the step loop, while the device runs the step before."""
+        self.hash_known_blocks(seq, *samples)
         return self.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
 
     def can_admit(self, num_tokens: int, prefix_blocks) -> bool:
@@ -358,10 +362,12 @@ class KVBlockManager:
         scores its prompt (a hit would skip prompt positions whose logits it needs)."""
         if not self.enable_prefix_caching or seq.scores_prompt:
             return
-        start = len(seq.block_hashes) * self.block_size
-        extend_block_hashes(seq.block_hashes, seq.token_slice(start, seq.num_known_tokens), self.block_size)
-        for sample in samples:
-            sample.block_hashes = list(seq.block_hashes)
+        num_hashed = len(seq.block_hashes)
+        extend_block_hashes(seq.block_hashes, seq.token_slice(num_hashed * self.block_size, seq.num_known_tokens),
+                            self.block_size)
+        if len(seq.block_hashes) > num_hashed:
+            for sample in samples:
+                sample.block_hashes = list(seq.block_hashes)
 
     def register_known_blocks(self, seq) -> None:
         """A block of seq completed by a resolved output: hash_known_blocks, then register_full_blocks if

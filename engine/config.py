@@ -27,6 +27,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("fp8",)  # model.quantization
 CASCADE_MODES = ("auto", "on", "off")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # cache.kv_cache_dtype (vLLM's names; fp8 is fp8_e4m3)
 THREADED_HIDDEN_SIZE = 1024  # below this a layer's matmuls are too small to share between CPU threads
 
 
@@ -72,6 +73,7 @@ class CacheConfig:
     check_invariants: bool = False  # debug: check the block manager's invariants after every step
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks that earlier sequences computed
     cascade_attention: str = "auto"  # auto | on | off: decode reads a prefix that sequences share once per step; auto: on CUDA, where it pays off
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: K and V in 8 bits, unscaled: twice the tokens in the same memory
 
 
 @dataclass
@@ -242,6 +244,9 @@ def check_engine_config(cfg) -> None:
     if str(c.cascade_attention) in ("True", "False"):  # YAML reads unquoted on and off as booleans
         modes += " (quote on and off in YAML files)"
     check_value(c.cascade_attention in CASCADE_MODES, "cache.cascade_attention", f"must be one of {modes}", c.cascade_attention)
+    check_value(c.kv_cache_dtype in KV_CACHE_DTYPES, "cache.kv_cache_dtype",
+                f"must be one of {KV_CACHE_DTYPES}{did_you_mean(str(c.kv_cache_dtype), KV_CACHE_DTYPES, ' (did you mean {}?)')}",
+                c.kv_cache_dtype)
     check_value(s.max_num_seqs is None or s.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be >= 1", s.max_num_seqs)
     check_value(s.step_timeout_s is None or s.step_timeout_s > 0, "scheduler.step_timeout_s", "must be > 0 or null",
            s.step_timeout_s)

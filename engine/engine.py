@@ -1,5 +1,6 @@
 """The generate loop: requests in, finished sequences out (streamed as they finish)."""
 import functools
+import gc
 import itertools
 import logging
 import time
@@ -14,7 +15,7 @@ from engine.constraint import Constraint
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, RequestError
 from engine.generation_config import read_generation_config, stop_ids
-from engine.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for
+from engine.kv_cache import PagedKVCache, bytes_per_block, cache_dtype, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
 from engine.prefix_groups import CascadePolicy
@@ -92,16 +93,17 @@ class LLMEngine:
         self.prefix_caching = cfg.cache.enable_prefix_caching
         max_num_seqs, max_num_batched_tokens = scheduler_limits(cfg.scheduler, self.device)
         max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
+        kv_dtype = cache_dtype(cfg.cache.kv_cache_dtype, self.dtype, self.device)
         free_bytes = None
         if self.device.type == "cuda" and cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None:
             free_bytes = kv_bytes_left(self.model, self.device, cfg.cache.gpu_memory_utilization,
                                        max_num_batched_tokens, max_num_seqs)
-        per_block = bytes_per_block(self.model.kv_cache_spec, self.block_size, self.dtype)
+        per_block = bytes_per_block(self.model.kv_cache_spec, self.block_size, kv_dtype)
         num_blocks = num_blocks_for(cfg.cache, per_block, self.device, self.max_model_len, max_num_seqs, free_bytes)
-        self.kv_cache = PagedKVCache(self.model.kv_cache_spec, num_blocks, self.block_size, self.dtype, self.device)
-        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GB; %.1f sequences of max_model_len %d at once",
+        self.kv_cache = PagedKVCache(self.model.kv_cache_spec, num_blocks, self.block_size, kv_dtype, self.device)
+        log.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GB of %s; %.1f sequences of max_model_len %d at once",
                  num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.bytes / 1e9,
-                 num_blocks / max_blocks_per_seq, self.max_model_len)
+                 str(kv_dtype).removeprefix("torch."), num_blocks / max_blocks_per_seq, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, self.block_size, self.prefix_caching)
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
@@ -120,6 +122,7 @@ class LLMEngine:
         self._fallbacks_reported = 0
         if self.device.type == "cuda":
             self._warm_up()
+        gc.collect()  # start-up's objects leave the young generations now, not in the first run's intake
 
     def _warm_up(self) -> None:
         """A small run of the real loop before the timed one: a prefill step at the full token budget,
@@ -158,7 +161,6 @@ class LLMEngine:
             for seq in samples:
                 seq.constraint = self._constraint(sampling.structured_outputs, seq.prompt_token_ids)
         first, rest = samples[0], samples[1:]
-        self.block_manager.hash_known_blocks(first, *rest)
         if sampling.stop:
             for seq in samples:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer)

@@ -1,4 +1,5 @@
-"""The GPU data plane's storage: per-layer key and value tensors [num_blocks, num_kv_heads, block_size, head_dim].
+"""The GPU data plane's storage: per-layer key and value tensors [num_blocks, num_kv_heads, block_size, head_dim],
+of the model's dtype or of an FP8 type (cache.kv_cache_dtype: cache_dtype), half the bytes a token.
 
 The block table of a sequence is shared by every layer; each layer has its own cache tensors. Slot s
 of a layer lives at [s // block_size, :, s % block_size, :].
@@ -25,6 +26,23 @@ class KVCacheSpec:
     head_dim: int
 
 
+FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper convert to and from FP8 in hardware (Triton's fp8e4nv needs it)
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the pool stores K and V in: the model's for "auto", else the FP8 type named by
+    cache.kv_cache_dtype; ConfigError naming it on a CUDA device older than FP8_CAPABILITY."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"cache.kv_cache_dtype {kv_cache_dtype} needs a GPU of compute capability "
+                          f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (FP8), but {torch.cuda.get_device_name(device)} "
+                          f"is {major}.{minor}; use cache.kv_cache_dtype=auto")
+    return FP8_CACHE_DTYPES[kv_cache_dtype]
+
+
 def bytes_per_block(spec: KVCacheSpec, block_size: int, dtype: torch.dtype) -> int:
     """K and V of every layer for one block."""
     element = torch.empty((), dtype=dtype).element_size()
@@ -41,9 +59,11 @@ class PagedKVCache:
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy blocks src[i] -> dst[i] (int64 [N] on the cache's device) in every layer's K and V, in
-        stream order and without waiting for the device. dst holds no duplicates, and no block of src."""
+        stream order and without waiting for the device. dst holds no duplicates, and no block of src.
+        Copied as bytes: indexing kernels need not know an FP8 dtype."""
         for cache in (*self.key_caches, *self.value_caches):
-            cache[dst] = cache[src]
+            raw = cache.view(torch.uint8)
+            raw[dst] = raw[src]
 
 
 def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -19,6 +19,8 @@ job (and a distributed executor) drives: requests come from any iterable and are
 queued only while fewer than `window` are in the engine, results are yielded as they finish, and a
 request that cannot run yields an error result (RequestOutput.error) instead of raising.
 """
+import contextlib
+import gc
 import numbers
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -81,6 +83,19 @@ class RunStats:
     def table(self):
         """The steps as steps.parquet's table (engine/stats.py's STEPS_SCHEMA)."""
         return steps_table(self.steps)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Within, the objects alive on entry (the model's modules, the tokenizer's tables: ~250k) are left out
+    of the garbage collections that a run's allocations trigger, each of which would traverse them all:
+    one such collection took 0.12 s of a CPU run's intake (benchmarks/NOTES.md). They are collectable
+    again on exit (nested uses unfreeze at the innermost exit, which costs only speed)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class LLM:
@@ -181,11 +196,12 @@ class LLM:
     def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None) -> list[RequestOutput]:
         for request, params in zip(requests, per_request(sampling_params, len(requests))):
             request.sampling_params = params
-        checked = [self._checked(request, chat_template_kwargs) for request in requests]
-        failed = next(((request, error) for request, _, error in checked if error), None)
-        if failed:  # every prompt checked before any work, as vLLM does
-            raise RequestError(f"prompt {failed[0].request_id}: {failed[1]}")
-        return sorted(self._serve(checked, None), key=lambda out: out.request_id)
+        with frozen_heap():
+            checked = [self._checked(request, chat_template_kwargs) for request in requests]
+            failed = next(((request, error) for request, _, error in checked if error), None)
+            if failed:  # every prompt checked before any work, as vLLM does
+                raise RequestError(f"prompt {failed[0].request_id}: {failed[1]}")
+            return sorted(self._serve(checked, None), key=lambda out: out.request_id)
 
     # -- streaming -----------------------------------------------------------------------------------
     def stream(self, requests: Iterable[Request], window: int | None = None,
@@ -200,7 +216,8 @@ class LLM:
     def _serve(self, checked: Iterable[tuple[Request, list[int] | None, str | None]],
                window: int | None) -> Iterator[RequestOutput]:
         """Queue each checked request (an error result for one that cannot run) while fewer than `window`
-        are in the engine, stepping it meanwhile; yield the outputs as their requests finish."""
+        are in the engine and the scheduler is not saturated, stepping it meanwhile, so the intake
+        overlaps the device's steps; yield the outputs as their requests finish."""
         window = window or 2 * self.engine.scheduler.max_num_seqs
         if self._abandoned:  # finish what an abandoned stream left queued; its results are dropped
             for _ in self.engine.run():
@@ -208,16 +225,17 @@ class LLM:
             self._outputs.clear()
         self._abandoned = True
         self.engine.stats.restart_clock()  # time the generate loop, not the set-up before it
-        for n, (request, token_ids, error) in enumerate(checked):
-            if error:
-                yield RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=error)
-                continue
-            self.engine.add_request(str(n), token_ids, self._sampling(request))
-            self._outputs.expect(str(n), request.request_id, request.prompt)
-            while self._outputs.num_pending >= window:
-                yield from self._outputs.outputs(self.engine.step())
-        yield from self._outputs.outputs(self.engine.run())
-        self._abandoned = False
+        with frozen_heap():
+            for n, (request, token_ids, error) in enumerate(checked):
+                if error:
+                    yield RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=error)
+                    continue
+                self.engine.add_request(str(n), token_ids, self._sampling(request))
+                self._outputs.expect(str(n), request.request_id, request.prompt)
+                while self._outputs.num_pending >= window or self.engine.scheduler.is_saturated():
+                    yield from self._outputs.outputs(self.engine.step())
+            yield from self._outputs.outputs(self.engine.run())
+            self._abandoned = False
 
     def _checked(self, request: Request, chat_template_kwargs) -> tuple[Request, list[int] | None, str | None]:
         """(request, its prompt's token ids, None) when it can run, else (request, None, why not): the one

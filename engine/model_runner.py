@@ -143,10 +143,11 @@ class ModelRunner:
                      previous_tokens: Callable[["InFlight"], list[int]]) -> torch.Tensor:
         """The processed logits with the grammar masks of the constrained rows applied (a copy when they are
         the logits themselves, whose logprobs stay the raw distribution's). Each matcher first reads the
-        outputs it has not read; the newest may be the previous step's, waited for here: this step's
-        forward is enqueued already, so the device runs it while the host fills the masks. The masks go
-        up in one copy from pinned memory (the caching host allocator keeps the buffer until the copy is
-        done) and one kernel applies them to the constrained rows only."""
+        outputs it has not read, one by one (llguidance's parallel consume_token_par was slower at every
+        batch size on the H200's host: benchmarks/NOTES.md); the newest may be the previous step's, waited
+        for here: this step's forward is enqueued already, so the device runs it while the host fills the
+        masks. The masks go up in one copy from pinned memory (the caching host allocator keeps the buffer
+        until the copy is done) and one kernel applies them to the constrained rows only."""
         known = None
         rows = [row for row, seq in enumerate(drawing) if seq.constraint is not None]
         for row in rows:

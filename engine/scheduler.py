@@ -104,6 +104,12 @@ class Scheduler:
         """Queue seqs first in line, in their order (the other samples of a request being prefilled)."""
         self.waiting.extendleft(reversed(seqs))
 
+    def is_saturated(self) -> bool:
+        """Whether the next step's admissions are decided whatever joins the back of the queue: it admits
+        at most max_num_seqs sequences, first come first served, so a caller that queues more only
+        while this is False gets the schedule it would get by queueing everything first."""
+        return len(self.waiting) >= self.max_num_seqs
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -211,7 +217,7 @@ class Scheduler:
             return hits, admitted
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = manager.cached_prefix(seq)
+            prefix = manager.cached_prefix(seq, seq.held_samples)
             if not manager.can_admit(seq.num_tokens, prefix):
                 break
             seq.block_state = manager.create_sequence(seq.seq_id, prefix)

@@ -63,13 +63,13 @@ def _prefix_kernel(
     heads = kvh * G + offs_m % G
     row_mask = (offs_m < BLOCK_Q * G) & (tile_start + offs_m // G < num_rows)
     d_mask = offs_d < HEAD_DIM
-    q, m_i, l_i, acc = load_query_tile(q_ptr, rows, heads, row_mask, offs_d, d_mask, s_qb, s_qh, s_qd, kc_ptr,
+    q, m_i, l_i, acc = load_query_tile(q_ptr, rows, heads, row_mask, offs_d, d_mask, s_qb, s_qh, s_qd,
                                        BLOCK_M, BLOCK_D, UPCAST)
     # the group's first row's block table: its prefix blocks are every member's
     acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + row0.to(tl.int64) * s_btb, start, end,
         s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-        BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST,
+        BLOCK_SIZE, BLOCK_N, DOT_PREC,
     )
     store_partial(part_o_ptr, part_lse_ptr, rows * num_q_heads + heads, chunk, acc, m_i, l_i, offs_d,
                   row_mask, d_mask, BLOCK_S, BLOCK_D)
@@ -100,7 +100,7 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         G=Hq // Hkv, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=part_o.shape[3], BLOCK_SIZE=bs,
         BLOCK_N=cfg["BLOCK_N"], ALIGN=decode_block_n if bs % decode_block_n == 0 else 1,
-        BLOCK_S=part_lse.shape[2], DOT_PREC=dot_precision(key_cache.dtype), UPCAST=not q.is_cuda,
+        BLOCK_S=part_lse.shape[2], DOT_PREC=dot_precision(q.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

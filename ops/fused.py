@@ -95,6 +95,17 @@ def _projection(x_ptr, x_offs, b_ptr, b_offs, mask, inv, INPUT_NORM: tl.constexp
 
 
 @triton.jit
+def _narrowed(x, dtype: tl.constexpr):
+    """x (float32, a value of the model's dtype) in dtype, an FP8 type's finite range first (beyond it its
+    cast gives NaN or inf): how an FP8 KV cache stores K and V, unscaled (write_kv_cache's to_cache)."""
+    if dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    elif dtype == tl.float8e5:
+        x = tl.minimum(tl.maximum(x, -57344.0), 57344.0)
+    return x.to(dtype)
+
+
+@triton.jit
 def _rope_heads(
     x_ptr, b_ptr, o_ptr, w_ptr, cos_row, sin_row, s_cd,
     s_xh, s_xd, s_oh, s_od,
@@ -124,7 +135,7 @@ def _rope_heads(
     s = tl.load(sin_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
     out = (y * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
     # (live + 0 * h) keeps the mask a block: the interpreter rejects a scalar & block mask
-    tl.store(o_ptr + h * s_oh + d * s_od, out.to(o_ptr.dtype.element_ty), mask=mask & ((live + 0 * h) != 0))
+    tl.store(o_ptr + h * s_oh + d * s_od, _narrowed(out.to(dt).to(tl.float32), o_ptr.dtype.element_ty), mask=mask & ((live + 0 * h) != 0))
 
 
 @triton.jit
@@ -166,7 +177,8 @@ def _rope_kernel(
         mask = (h < num_kv_heads) & (d < HEAD_DIM) & ((live + 0 * h) != 0)
         v = _projection(v_ptr + t * s_vt, h * s_vh + d * s_vd, vb_ptr, h * HEAD_DIM + d, mask, inv,
                         INPUT_NORM, HAS_BIAS)
-        tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd, v.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd, _narrowed(v, vc_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None,

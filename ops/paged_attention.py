@@ -51,7 +51,7 @@ def _attn_tile(
     s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
     offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain).
     MASK_KV: bound keys by kv_end; CAUSAL: also mask keys after each row's q_pos."""
@@ -73,8 +73,7 @@ def _attn_tile(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=d_mask[None, :], other=0.0)
-    if UPCAST:  # interpreter: its 16-bit tl.dot is wrong (Triton 3.9), so multiply in float32
-        k = k.to(tl.float32)
+    k = k.to(q.dtype)  # an FP8 cache's keys widened to the query's dtype (a no-op otherwise)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -89,8 +88,7 @@ def _attn_tile(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=d_mask[None, :], other=0.0)
-    if UPCAST:
-        v = v.to(tl.float32)
+    v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -118,16 +116,15 @@ def tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
+def load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     """The [BLOCK_M, BLOCK_D] query tile whose row i is query row q_rows[i], head heads[i], in the dtype
-    tl.dot gets (float32 in the interpreter, else the cache's), and a fresh online-softmax state."""
+    tl.dot gets, which the K/V tiles are read in (float32 in the interpreter, whose 16-bit tl.dot is
+    wrong in Triton 3.9; else the query's), and a fresh online-softmax state."""
     q = tl.load(q_ptr + q_rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    else:
-        q = q.to(kc_ptr.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -138,7 +135,7 @@ def load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, 
 def attend_range(
     q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, start, end,
     s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Online softmax of the tile q over keys [start, end) of kv head kvh, every query seeing every key
     (start: a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0)."""
@@ -151,7 +148,7 @@ def attend_range(
             kc_head, vc_head, bt_row, n0, end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
             offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC, UPCAST,
+            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC,
         )
     return acc, m_i, l_i
 
@@ -205,11 +202,11 @@ def _decode_kernel(
     g_mask = offs_g < G
     d_mask = offs_d < HEAD_DIM
     q, m_i, l_i, acc = load_query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
-                                       s_qb, s_qh, s_qd, kc_ptr, BLOCK_G, BLOCK_D, UPCAST)
+                                       s_qb, s_qh, s_qd, BLOCK_G, BLOCK_D, UPCAST)
     acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + b.to(tl.int64) * s_btb, start, end,
         s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-        BLOCK_SIZE, BLOCK_N, DOT_PREC, UPCAST,
+        BLOCK_SIZE, BLOCK_N, DOT_PREC,
     )
     if SPLIT:
         rows = b.to(tl.int64) * num_q_heads + heads
@@ -313,14 +310,14 @@ def decode_num_splits(batch, num_kv_heads, max_ctx, device, balance=True):
 
 
 def dot_precision(dtype):
-    """tl.dot's input_precision (DOT_PREC) over a cache of this dtype."""
+    """tl.dot's input_precision (DOT_PREC) for queries of this dtype (the K/V tiles are read in it)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_cfg(q, key_cache, short_contexts=False):
     if not q.is_cuda:
         return DECODE_CFG["interp"]
-    if key_cache.dtype == torch.float32:
+    if q.dtype == torch.float32:
         return DECODE_CFG["gpu_fp32"]
     return DECODE_CFG["gpu_short" if short_contexts else "gpu"]
 
@@ -355,7 +352,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
         G=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), HEAD_DIM=D,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
-        HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(key_cache.dtype), UPCAST=not q.is_cuda,
+        HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -438,7 +435,7 @@ def _prefill_kernel(
     d_mask = offs_d < HEAD_DIM
     q_pos = ctx + tok
     q_rows = (q_start + tok).to(tl.int64)
-    q, m_i, l_i, acc = load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd, kc_ptr,
+    q, m_i, l_i, acc = load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd,
                                        BLOCK_M, BLOCK_D, UPCAST)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
@@ -453,7 +450,7 @@ def _prefill_kernel(
             kc_head, vc_head, bt_row, n0, kv_end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
             offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC, UPCAST,
+            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
@@ -461,7 +458,7 @@ def _prefill_kernel(
             kc_head, vc_head, bt_row, n0, kv_end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
             offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, True, DOT_PREC, UPCAST,
+            BLOCK_SIZE, BLOCK_N, True, True, DOT_PREC,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -480,7 +477,7 @@ PREFILL_CFG = {
 def prefill_cfg(q, key_cache):
     if not q.is_cuda:
         return PREFILL_CFG["interp"]
-    if key_cache.dtype == torch.float32:
+    if q.dtype == torch.float32:
         return PREFILL_CFG["gpu_fp32"]
     return PREFILL_CFG["gpu_large_d" if q.shape[2] > 128 else "gpu"]
 
@@ -517,7 +514,7 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
         float(scale) * LOG2E, B,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
         G=G, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(key_cache.dtype), UPCAST=not q.is_cuda,
+        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(q.dtype), UPCAST=not q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

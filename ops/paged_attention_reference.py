@@ -13,9 +13,23 @@ Shapes (int32 metadata; a slot of -1 is skipped):
                              cu_group_rows[G+1], group_prefix_lens[G]) -> [B,Hq,D]
         = paged_attention_decode, computed as a shared-prefix pass per group of rows, a suffix pass per
         row and a log-sum-exp merge (check_cascade_groups states what the groups must satisfy).
-Query head qh reads kv head qh // (Hq // Hkv). Attention math runs in float32.
+Query head qh reads kv head qh // (Hq // Hkv). Attention math runs in float32. The caches may be of the
+model's dtype or of an FP8 type (cache.kv_cache_dtype): K and V are stored unscaled, clamped to its finite
+range (to_cache), and read back exactly (every FP8 value is one of the model's dtype).
 """
 import torch
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # an FP8 KV cache's (cache.kv_cache_dtype)
+
+
+def to_cache(x, dtype):
+    """x as a cache of dtype stores it: an FP8 type's finite range first (its cast would give NaN or inf
+    beyond it), no scale."""
+    if dtype in FP8_DTYPES:
+        most = torch.finfo(dtype).max
+        x = x.float().clamp(-most, most)
+    return x.to(dtype)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
@@ -23,8 +37,8 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
     slots = slot_mapping.long()
     keep = slots >= 0
     blocks, offsets = slots[keep] // block_size, slots[keep] % block_size
-    key_cache[blocks, :, offsets, :] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, :, offsets, :] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, :, offsets, :] = to_cache(key[keep], key_cache.dtype)
+    value_cache[blocks, :, offsets, :] = to_cache(value[keep], value_cache.dtype)
 
 
 def gather_sequence_kv(cache, block_table, seq_len):

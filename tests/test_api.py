@@ -205,6 +205,35 @@ def test_stream_pulls_requests_only_while_its_window_has_room(tiny):
     assert [results[i].outputs[0].token_ids for i in range(len(prompts))] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_stream_steps_while_the_scheduler_is_saturated_with_the_schedule_of_queueing_all_first(tiny, monkeypatch):
+    """With a window of every request, the stream queues only while fewer than max_num_seqs wait (the rest
+    joins as steps run) and the steps are those of queueing all first (the oracle: is_saturated off)."""
+    prompts = [f"request {i} " * (1 + i % 7) for i in range(30)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    scheduler, most_waiting = tiny.engine.scheduler, 0
+
+    def requests():
+        nonlocal most_waiting
+        for i, prompt in enumerate(prompts):
+            most_waiting = max(most_waiting, len(scheduler.waiting))
+            yield Request(i, prompt=prompt, sampling_params=params)
+
+    def run() -> tuple[list, dict]:
+        since = len(tiny.stats().steps)
+        outputs = {o.request_id: o.outputs[0].token_ids for o in tiny.stream(requests(), window=len(prompts))}
+        steps = [{k: v for k, v in dataclasses.asdict(s).items() if k not in ("step", "waiting_seqs", "step_time_s")}
+                 for s in tiny.stats(since).steps]
+        return outputs, steps
+
+    outputs, steps = run()
+    assert most_waiting == scheduler.max_num_seqs - 1  # counted as each request is pulled, before it joins
+    monkeypatch.setattr(scheduler, "is_saturated", lambda: False)
+    most_waiting = 0
+    all_first_outputs, all_first_steps = run()
+    assert most_waiting == len(prompts) - 1
+    assert steps == all_first_steps and outputs == all_first_outputs
+
+
 def test_a_stream_left_half_way_does_not_leak_into_the_next(tiny):
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     expected = tiny.generate(["one", "two", "three"], params)

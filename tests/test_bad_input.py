@@ -184,8 +184,10 @@ def test_jobs_started_together_get_run_directories_of_their_own(tmp_path):
     """The default hydra.run.dir has microseconds: two jobs started in the same second (as these two
     nearly always are) do not share one."""
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    # run from tmp_path, the checkout on the path whether or not it is installed (the GPU machine's is not)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     procs = [subprocess.Popen([sys.executable, "-m", "engine.run", f"job.input={tmp_path / 'empty.parquet'}",
-                               "model.device=cpu"], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                               "model.device=cpu"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for proc in procs:
         _, err = proc.communicate(timeout=300)

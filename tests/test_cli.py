@@ -73,8 +73,7 @@ def test_every_key_has_a_description(schema):
 # -- overrides checked before Hydra ----------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (["cache.blok_size=3"], "unknown config key 'cache.blok_size'; did you mean cache.block_size? (cache keys: "
-                            "block_size, num_blocks, kv_budget_gb, gpu_memory_utilization, check_invariants, "
-                            "enable_prefix_caching, cascade_attention)"),
+                            f"{', '.join(OmegaConf.load(ROOT / 'conf' / 'cache' / 'default.yaml'))})"),
     (["+cache.blok_size=3"], "unknown config key 'cache.blok_size'; did you mean cache.block_size?"),
     (["job=bench", "job.num_promts=3"], "unknown config key 'job.num_promts'; did you mean job.num_prompts?"),
     (["job.num_prompts=3"], "unknown config key 'job.num_prompts'; it is a key of job=bench (job keys of "

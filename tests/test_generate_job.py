@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_job(*overrides, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "engine.run", *overrides], cwd=cwd,
+    """The job on the CPU on any machine: these tests check its files, and on CUDA a job beside the suite's
+    other workers would not find the memory it sizes its pool for."""
+    return subprocess.run([sys.executable, "-m", "engine.run", "model.device=cpu", *overrides], cwd=cwd,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -63,8 +63,8 @@ def make_paged(lens, num_kv_heads, head_dim, block_size, dtype, gen, spare_block
     need = [cdiv(L, block_size) for L in lens]
     nb = sum(need) + spare_blocks
     shape = (nb + 1, num_kv_heads, block_size, head_dim)
-    kbuf = torch.randn(shape, generator=gen).to(dtype)
-    vbuf = torch.randn(shape, generator=gen).to(dtype)
+    kbuf = torch.randn(shape, generator=gen)
+    vbuf = torch.randn(shape, generator=gen)
     perm = torch.randperm(nb, generator=gen)
     bt = torch.full((len(lens), max(need) + pad_cols), -1, dtype=torch.int32)
     poison = torch.ones(nb, block_size, dtype=torch.bool)
@@ -79,7 +79,7 @@ def make_paged(lens, num_kv_heads, head_dim, block_size, dtype, gen, spare_block
     for buf in (kbuf, vbuf):
         buf[0] = NAN
         buf[1:].permute(0, 2, 1, 3)[poison] = NAN
-    key_cache, value_cache = kbuf[1:], vbuf[1:]
+    key_cache, value_cache = kbuf.to(dtype)[1:], vbuf.to(dtype)[1:]  # poisoned in float32: FP8 has no masked_fill
     return key_cache.to(DEVICE), value_cache.to(DEVICE), bt.to(DEVICE)
 
 
@@ -183,9 +183,9 @@ DECODE_CASES = [
 ]
 
 
-def decode_inputs(case, dtype, gen):
+def decode_inputs(case, dtype, gen, cache_dtype=None):
     bs, Hq, Hkv, D, lens = case
-    key_cache, value_cache, bt = make_paged(lens, Hkv, D, bs, dtype, gen)
+    key_cache, value_cache, bt = make_paged(lens, Hkv, D, bs, cache_dtype or dtype, gen)
     q = torch.randn(len(lens), Hq, D, generator=gen).to(dtype).to(DEVICE)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return q, key_cache, value_cache, bt, seq_lens, 1.0 / math.sqrt(D)
@@ -274,10 +274,10 @@ PREFILL_CASES = [
 ]
 
 
-def prefill_inputs(case, dtype, gen):
+def prefill_inputs(case, dtype, gen, cache_dtype=None):
     bs, Hq, Hkv, D, seqs = case
     lens = [L for L, _ in seqs]
-    key_cache, value_cache, bt = make_paged(lens, Hkv, D, bs, dtype, gen)
+    key_cache, value_cache, bt = make_paged(lens, Hkv, D, bs, cache_dtype or dtype, gen)
     qlens = torch.tensor([n for _, n in seqs])
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = qlens.cumsum(0)
@@ -295,6 +295,23 @@ def test_paged_attention_prefill(backend, dtype, case, gen, nan_outputs):
     out = ops.paged_attention_prefill(*args, backend=backend)
     assert out.shape == args[0].shape and out.dtype == dtype
     check(out, ref, dtype, gen, f"prefill {backend}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_attention_over_an_fp8_cache(backend, cache_dtype, kind, gen, nan_outputs):
+    """K and V stored in FP8 (cache.kv_cache_dtype), queries in the model's dtype: the float64 oracle over
+    the same cache (its FP8 values dequantized exactly) at the queries' tolerance."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    if kind == "decode":
+        args = decode_inputs(DECODE_CASES[3], dtype, gen, cache_dtype)
+        ref, out = decode_oracle(*args), ops.paged_attention_decode(*args, backend=backend)
+    else:
+        args = prefill_inputs(PREFILL_CASES[1], dtype, gen, cache_dtype)
+        ref, out = oracle(*args), ops.paged_attention_prefill(*args, backend=backend)
+    assert args[1].dtype == cache_dtype and out.dtype == dtype
+    check(out, ref, dtype, gen, f"{kind} {backend} over {cache_dtype}")
 
 
 def rows_of_a_larger_buffer(q, lead):

@@ -34,13 +34,17 @@ def target(tmp_path_factory) -> Path:
 
 
 def installed_env(target: Path) -> dict:
-    site_packages = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    """PYTHONPATH: the target, then this interpreter's site-packages and the PYTHONPATH it was given (where a
+    machine keeps packages installed with --target), the checkout left out."""
+    given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    site_packages = dict.fromkeys([*(sysconfig.get_paths()[k] for k in ("purelib", "platlib")), *given])
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), *site_packages]), "TQDM_DISABLE": "1"}
 
 
 def test_the_installed_job_runs_from_another_directory(target, tmp_path):
     run_dir = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-S", "-m", "engine.run", "sampling.max_tokens=2", f"hydra.run.dir={run_dir}"],
+    result = subprocess.run([sys.executable, "-S", "-m", "engine.run", "sampling.max_tokens=2", "model.device=cpu",
+                             f"hydra.run.dir={run_dir}"],
                             cwd=tmp_path, env=installed_env(target), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     sample_rows = pq.read_metadata(ROOT / "jobs" / "sample_prompts.parquet").num_rows  # the shipped sample: no job.input

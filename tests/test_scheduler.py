@@ -5,7 +5,9 @@ from engine.sequence import SamplingParams, Sequence
 
 
 def make_seq(seq_id, prompt_len):
-    return Sequence(seq_id, str(seq_id), list(range(prompt_len)), SamplingParams(), max_num_tokens=prompt_len + 16)
+    """A sequence whose prompt shares no block with another's (the scheduler hashes prompts it admits)."""
+    prompt = list(range(1000 * seq_id, 1000 * seq_id + prompt_len))
+    return Sequence(seq_id, str(seq_id), prompt, SamplingParams(), max_num_tokens=prompt_len + 16)
 
 
 def test_admission_stops_at_the_block_budget():
