@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import ops
 from engine.errors import ConfigError
 from engine.llm import LLM, SamplingParams
 from test_oracle import MAX_TOKENS, reference_outputs
@@ -162,3 +163,89 @@ def test_a_broken_fp8_checkpoint_is_named(qwen3_checkpoint, tmp_path, prompts, d
 def test_an_unknown_quantization_is_named():
     with pytest.raises(ConfigError, match=r"model.quantization must be null or one of \(.fp8.,\), got .int4."):
         LLM(model="tiny", device="cpu", quantization="int4")
+
+
+# -- FP8 GEMMs (W8A8: e4m3 weights with a scale per row, activations quantized per token) ----------------
+FP8_GEMM_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) else [])
+
+
+@pytest.mark.parametrize("device", FP8_GEMM_DEVICES)
+def test_fp8_matmul_is_the_float64_product_of_its_quantized_operands(device):
+    """ops.fp8_matmul against its contract computed here in float64: x' = x * input_weight, per-row scale
+    amax / 448, the e4m3 rounding of x' / scale, then the product of the dequantized operands (float32 on
+    the CPU; bfloat16 on CUDA, where torch._scaled_mm's row-wise scales give bfloat16 only)."""
+    generator = torch.Generator().manual_seed(11)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x, weight = (torch.randn(7, 96, generator=generator) * 3).to(dtype), torch.randn(64, 96, generator=generator) / 10
+    x[3] = 0  # an all-zero row: scale 1
+    norm_weight = torch.rand(96, generator=generator) + 0.5
+    q_w, w_scale = row_quantized(weight)
+    out = ops.fp8_matmul(x.to(device), q_w.to(device), w_scale.reshape(-1).to(device), norm_weight.to(device)).cpu()
+    scaled = x.double() * norm_weight.double()
+    x_scale = scaled.abs().amax(dim=1, keepdim=True) / 448
+    x_scale[x_scale == 0] = 1
+    q_x = (scaled / x_scale).to(torch.float8_e4m3fn)
+    expected = (q_x.double() * x_scale) @ (q_w.double() * w_scale.double()).T
+    assert out.dtype == x.dtype and out.shape == (7, 64)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's rounding
+    assert torch.allclose(out.double(), expected, rtol=tolerance, atol=tolerance)
+    assert not torch.allclose(out.double(), scaled @ weight.double().T, rtol=1e-3)  # FP8 rounding shows
+    assert ops.fp8_matmul(x[:0].to(device), q_w.to(device), w_scale.reshape(-1).to(device)).shape == (0, 64)
+
+
+@pytest.mark.skipif(FP8_GEMM_DEVICES == ["cpu"], reason="needs CUDA of compute capability 8.9 (FP8 GEMMs)")
+def test_quantization_fp8_runs_fp8_gemms_on_such_a_gpu(prompts):
+    """bfloat16 on the GPU: the projections stay in e4m3 (a scale per row, a folded norm's weight apart), and
+    the greedy tokens agree with the same model computed dequantized for most of the first steps."""
+    fp8 = LLM(model="qwen3-0.6b", num_hidden_layers=2, max_model_len=128, quantization="fp8", max_num_seqs=8)
+    layer = fp8.engine.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn and layer.self_attn.qkv_proj.input_weight.numel()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    ours = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
+    fp8.close()
+    from engine.models import loader
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loader, "fp8_gemms", lambda device, dtype: False)
+        plain = LLM(model="qwen3-0.6b", num_hidden_layers=2, max_model_len=128, quantization="fp8", max_num_seqs=8)
+    theirs = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert sum(a[0] == b[0] for a, b in zip(ours, theirs)) >= len(prompts) // 2, (ours, theirs)
+
+
+def per_token_rounded_inputs(model):
+    """Forward pre-hooks on every projection of transformers' layers: its input rounded per token to e4m3
+    with scale amax / 448 (W8A8's activation rounding, in float64), as the engine's GEMMs see it."""
+    def round_input(module, args):
+        x = args[0].double()
+        scale = x.abs().amax(dim=-1, keepdim=True) / 448
+        scale[scale == 0] = 1
+        return ((x / scale).to(torch.float8_e4m3fn).double() * scale).to(args[0].dtype),
+
+    return [m.register_forward_pre_hook(round_input) for layer in model.model.layers
+            for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def test_fp8_gemms_match_transformers_with_the_rounded_weights_and_activations(qwen3_checkpoint, prompts, monkeypatch):
+    """Where the device has FP8 GEMMs (forced here on the CPU, where torch._scaled_mm runs too), the
+    projections stay in e4m3 and multiply activations rounded per token: transformers on the rounded
+    weights, each projection's input rounded the same way, gives the same greedy tokens."""
+    from engine.models import loader
+
+    path, hf_model = qwen3_checkpoint
+    weights = dict(hf_model.state_dict())
+    for name in [k for k in weights if k.endswith("weight") and k.split(".")[-2] in PROJECTIONS]:
+        q, scale = row_quantized(weights[name])
+        weights[name] = (q.double() * scale.double()).float()
+    reference = rounded_model(hf_model, weights)
+    hooks = per_token_rounded_inputs(reference)
+    expected, gap = reference_outputs(reference, prompts)
+    for hook in hooks:
+        hook.remove()
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    assert expected != reference_outputs(reference, prompts)[0], "rounding the activations changed no token"
+    monkeypatch.setattr(loader, "fp8_gemms", lambda device, dtype: True)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, device="cpu", block_size=4, quantization="fp8")
+    layer = llm.engine.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == layer.mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -18,14 +18,13 @@ PackedLinear's shards, fold_norm_weights and FOLDED_NORMS.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ops
 from engine.attention import PagedAttention
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec
-from engine.models.layers import PackedLinear, RMSNorm, add_linear_
+from engine.models.layers import PackedLinear, RMSNorm, add_linear_, project
 from engine.models.rope import Rope, RotaryEmbedding, rope_from_config
 
 
@@ -65,7 +64,7 @@ class DecoderAttention(nn.Module):
         """The projections of the residual stream hidden [T, hidden_size] (the layer's input RMSNorm folded
         into qkv_proj's weight), then, in one kernel, the norm's row scale, the bias, the QK-norm, RoPE and
         the step's K/V into the cache -> the rotated q [T, Hq, D] (into out when given)."""
-        q, k, v = F.linear(hidden, self.qkv_proj.weight).split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = project(hidden, self.qkv_proj).split(self.qkv_proj.output_sizes, dim=-1)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
@@ -83,7 +82,7 @@ class DecoderMLP(nn.Module):
     def add_to(self, hidden, input_norm_eps):
         """hidden += down(silu(gate) * up) of the RMSNorm of hidden, in place (the norm folded into
         gate_up_proj's weight, its row scale in the SiLU's kernel)."""
-        gate_up = F.linear(hidden, self.gate_up_proj.weight)
+        gate_up = project(hidden, self.gate_up_proj)
         act = ops.silu_and_mul(gate_up, input_norm=(hidden, input_norm_eps), bias=self.gate_up_proj.bias)
         add_linear_(hidden, act, self.down_proj)
 
@@ -123,9 +122,10 @@ class DecoderLayer(nn.Module):
         self.mlp.add_to(hidden, self.norm_eps)
         return hidden
 
-    def fold_norm_weights(self) -> None:
-        self.input_layernorm.fold_into(self.self_attn.qkv_proj)
-        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj)
+    def fold_norm_weights(self, apart=frozenset()) -> None:
+        """apart: the projections whose weights go to FP8 (RMSNorm.fold_into's)."""
+        self.input_layernorm.fold_into(self.self_attn.qkv_proj, self.self_attn.qkv_proj in apart)
+        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj, self.mlp.gate_up_proj in apart)
         for name in FOLDED_NORMS:
             delattr(self, name)
 
@@ -252,11 +252,12 @@ class DecoderForCausalLM(nn.Module):
         return WeightFootprint(params - head.numel(), head.numel(), nbytes)
 
     @torch.no_grad()
-    def fold_norm_weights(self) -> None:
+    def fold_norm_weights(self, apart=frozenset()) -> None:
         """Each layer's two RMSNorm weights into the projections after them, the norms removed (DecoderLayer
-        says why): the function the model computes is unchanged; to_hf_model gives the norms back as ones."""
+        says why): the function the model computes is unchanged; to_hf_model gives the norms back as ones
+        (or as the input_weight of the projections in apart, whose weights go to FP8)."""
         for layer in self.model.layers:
-            layer.fold_norm_weights()
+            layer.fold_norm_weights(apart)
 
     def compute_logits(self, hidden):
         """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them."""

@@ -1,6 +1,6 @@
 """Layers shared by the decoders: RMSNorm over the fused norm kernel (and its weight folded into a linear
-layer), add_linear_ (a residual sum inside a matmul), and PackedLinear, several checkpoint projections of the
-same input computed as one matmul."""
+layer), project (a linear layer's matmul, FP8 or not), add_linear_ (a residual sum inside a matmul), and
+PackedLinear, several checkpoint projections of the same input computed as one matmul."""
 import torch
 from torch import nn
 
@@ -17,17 +17,33 @@ class RMSNorm(nn.Module):
         """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), one kernel (ops.rms_norm)."""
         return ops.rms_norm(x, self.weight, self.eps)
 
-    def fold_into(self, linear: nn.Linear) -> None:
+    def fold_into(self, linear: nn.Linear, apart: bool = False) -> None:
         """Multiplies this norm's weight into the columns of the linear layer that reads the norm's output (W ->
-        W * weight): linear(norm(x)) = linear'(x) * rsqrt(mean(x^2) + eps), plus the bias. The norm is spent:
-        its owner removes it."""
-        linear.weight.mul_(self.weight)
+        W * weight): linear(norm(x)) = linear'(x) * rsqrt(mean(x^2) + eps), plus the bias. apart: the
+        linear's weight stays as it is (it goes to FP8 with a scale per row, which a scale per column would
+        not fold into) and the norm's weight is kept beside it, as its input_weight, which its matmul
+        multiplies into the activations (project). The norm is spent: its owner removes it."""
+        if apart:
+            linear.register_buffer("input_weight", self.weight.detach().clone())
+        else:
+            linear.weight.mul_(self.weight)
+
+
+def project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """x @ linear's weight^T, without its bias: an FP8 weight (weight_scale per row, the input_weight of a
+    norm folded apart) through ops.fp8_matmul, else one matmul."""
+    if linear.weight.dtype == torch.float8_e4m3fn:
+        return ops.fp8_matmul(x, linear.weight, linear.weight_scale, getattr(linear, "input_weight", None))
+    return torch.nn.functional.linear(x, linear.weight)
 
 
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     """residual += linear(x), in place: the matmul adds into residual as it writes (addmm's beta = 1), so
-    the sum takes no kernel of its own."""
-    residual.addmm_(x, linear.weight.t())
+    the sum takes no kernel of its own (an FP8 weight's takes one: project, then the sum)."""
+    if linear.weight.dtype == torch.float8_e4m3fn:
+        residual.add_(project(x, linear))
+    else:
+        residual.addmm_(x, linear.weight.t())
     return residual if linear.bias is None else residual.add_(linear.bias)
 
 

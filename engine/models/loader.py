@@ -16,8 +16,8 @@ from safetensors import SafetensorError, safe_open
 from engine.errors import ConfigError
 from engine.models.decoder import FOLDED_NORMS, DecoderArch, DecoderForCausalLM, DecoderLayer
 from engine.models.layers import PackedLinear
-from engine.models.quantization import (ACTIVATION_SCALES, FP8_DTYPES, WeightFormat, dequantize,
-                                        round_projections_to_fp8, weight_format)
+from engine.models.quantization import (ACTIVATION_SCALES, FP8_DTYPES, WeightFormat, dequantize, fp8_gemms,
+                                        fp8_projections, round_projections_to_fp8, store_fp8, weight_format)
 from engine.models.registry import model_class
 from engine.models.rope import is_positive
 
@@ -237,7 +237,7 @@ def init_random_weights(model: DecoderForCausalLM, seed: int, std: float) -> Non
 def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[DecoderForCausalLM, list[int]]:
     """The model on `device` in `dtype`, its FP8 weights dequantized (a checkpoint's) or its projections
     rounded to FP8 (model.quantization=fp8), its norm weights folded (in float32, before the cast), and its
-    EOS token ids."""
+    EOS token ids. Where the device has FP8 GEMMs, per-row FP8 projections stay in FP8 (quantization.py)."""
     path = resolve_model_path(model_cfg)
     if path:
         check_checkpoint(path)
@@ -249,10 +249,15 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[De
         load_weights(model, path, fmt)
     else:
         init_random_weights(model, model_cfg.seed, model_cfg.initializer_range)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     if model_cfg.quantization == "fp8" and fmt is None:  # an FP8 checkpoint is rounded already
-        round_projections_to_fp8(m for m in model.modules() if isinstance(m, DecoderLayer))
-    model.fold_norm_weights()
-    return model.requires_grad_(False).to(device=device, dtype=dtype).eval(), eos
+        round_projections_to_fp8(layers)
+    per_row = model_cfg.quantization == "fp8" or (fmt is not None and fmt.strategy != "block")
+    fp8 = fp8_projections(layers) if per_row and fp8_gemms(device, dtype) else {}
+    model.fold_norm_weights(apart=fp8.keys())
+    model = model.requires_grad_(False).to(device=device, dtype=dtype).eval()
+    store_fp8(fp8)
+    return model, eos
 
 
 def to_hf_model(model: DecoderForCausalLM):
@@ -269,16 +274,23 @@ def to_hf_model(model: DecoderForCausalLM):
 
 def unpacked_state_dict(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     """Our parameters under Hugging Face's names, each PackedLinear split back into its projections, and the
-    folded norms as the ones they are now (their weights live in the projections after them)."""
+    folded norms as the ones they are now (their weights live in the projections after them; those of
+    projections kept in FP8, dequantized here, beside them as input_weight)."""
     projection = {packed: name for name, packed in model.packed_modules_mapping.items()}  # (packed, shard) -> name
     modules, state = dict(model.named_modules()), {}
     ones = torch.ones(model.arch.hidden_size, dtype=model.dtype, device=model.lm_head.weight.device)
     for name, module in modules.items():
         if isinstance(module, DecoderLayer):
-            state.update({f"{name}.{norm}.weight": ones for norm in FOLDED_NORMS})
+            readers = (module.self_attn.qkv_proj, module.mlp.gate_up_proj)  # FOLDED_NORMS' projections
+            state.update({f"{name}.{norm}.weight": getattr(reader, "input_weight", ones)
+                          for norm, reader in zip(FOLDED_NORMS, readers)})
     for name, tensor in model.state_dict().items():
         module_path, _, leaf = name.rpartition(".")
         module = modules[module_path]
+        if leaf in ("weight_scale", "input_weight"):
+            continue
+        if leaf == "weight" and tensor.dtype in FP8_DTYPES:
+            tensor = (tensor.float() * module.weight_scale.float()[:, None]).to(model.dtype)
         if not isinstance(module, PackedLinear):
             state[name] = tensor
             continue

@@ -12,8 +12,12 @@ Activation scales (`input_scale`: static activation quantization) are not read.
 model.quantization=fp8 rounds the decoder layers' projections of any weights to e4m3 on load, one scale per
 output row (amax / 448), as vLLM's quantization="fp8" does.
 
-The model computes with the dequantized weights (q * scale in float32, then the norm fold and the cast to
-the run's dtype), on every device: an FP8 checkpoint runs as the model its FP8 weights round to.
+Where the device multiplies FP8 in hardware (fp8_gemms: CUDA of compute capability 8.9, Ada and Hopper, in
+bfloat16) the projections of per-row formats (channel, tensor, model.quantization=fp8) stay in e4m3 with a
+scale per output row (fp8_projections, then store_fp8) and run W8A8 (ops.fp8_matmul: activations rounded
+per token); their norms fold apart (RMSNorm.fold_into). Elsewhere, and for block-scaled checkpoints until a
+block-scaled GEMM exists, the model computes with the dequantized weights (q * scale in float32, then the
+norm fold and the cast to the run's dtype): an FP8 checkpoint runs as the model its FP8 weights round to.
 """
 from dataclasses import dataclass
 
@@ -118,3 +122,31 @@ def round_projections_to_fp8(layers) -> None:
         for module in (m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)):
             q, scale = quantize_per_channel(module.weight)
             module.weight.copy_(q.float() * scale)
+
+
+FP8_GEMM_CAPABILITY = (8, 9)  # CUDA devices that multiply FP8 operands (torch._scaled_mm's row-wise scales)
+
+
+def fp8_gemms(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether projections stored in FP8 run as FP8 GEMMs on `device` for a model in `dtype` (bfloat16:
+    torch._scaled_mm's row-wise scales give bfloat16 outputs only, on CUDA)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and \
+        torch.cuda.get_device_capability(device) >= FP8_GEMM_CAPABILITY
+
+
+def fp8_projections(layers) -> dict:
+    """{projection: (q e4m3 [out, in], scale float32 [out])} of every Linear in the decoder layers whose
+    sizes torch._scaled_mm takes (multiples of 16), from its weights as they are (float32, before the norm
+    fold): quantize_per_channel's, which gives back a per-row FP8 weight's own values."""
+    return {m: (q, scale.reshape(-1)) for layer in layers for m in layer.modules()
+            if isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+            for q, scale in [quantize_per_channel(m.weight)]}
+
+
+def store_fp8(projections: dict) -> None:
+    """Each projection's weight replaced by its FP8 q, its scale as the buffer weight_scale (after the cast to
+    the run's dtype, which would widen them), on the device of the weight it replaces."""
+    for module, (q, scale) in projections.items():
+        device = module.weight.device
+        module.weight = torch.nn.Parameter(q.to(device), requires_grad=False)
+        module.register_buffer("weight_scale", scale.to(device))
