@@ -36,10 +36,10 @@ def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.dev
     if kv_cache_dtype == "auto":
         return model_dtype
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
+        (major, minor), name = torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)
         raise ConfigError(f"cache.kv_cache_dtype {kv_cache_dtype} needs a GPU of compute capability "
-                          f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (FP8), but {torch.cuda.get_device_name(device)} "
-                          f"is {major}.{minor}; use cache.kv_cache_dtype=auto")
+                          f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (FP8), but {name} is {major}.{minor}; "
+                          f"use cache.kv_cache_dtype=auto")
     return FP8_CACHE_DTYPES[kv_cache_dtype]
 
 

@@ -135,7 +135,8 @@ def _rope_heads(
     s = tl.load(sin_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
     out = (y * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
     # (live + 0 * h) keeps the mask a block: the interpreter rejects a scalar & block mask
-    tl.store(o_ptr + h * s_oh + d * s_od, _narrowed(out.to(dt).to(tl.float32), o_ptr.dtype.element_ty), mask=mask & ((live + 0 * h) != 0))
+    stored = _narrowed(out.to(dt).to(tl.float32), o_ptr.dtype.element_ty)
+    tl.store(o_ptr + h * s_oh + d * s_od, stored, mask=mask & ((live + 0 * h) != 0))
 
 
 @triton.jit
