@@ -13,7 +13,7 @@ import importlib
 
 import torch
 
-from ops import paged_attention_reference, sampling_reference
+from ops import moe_reference, paged_attention_reference, sampling_reference
 
 BACKENDS = ("triton", "torch")
 
@@ -173,3 +173,15 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None):
     q = (scaled / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
                             out_dtype=x.dtype)
+
+
+def moe_route(router_logits, top_k: int, renormalize: bool):
+    """A mixture-of-experts layer's routing: (weights float32 [T, k], expert ids int64 [T, k]) of the router's
+    logits [T, E] (ops/moe_reference.py)."""
+    return moe_reference.moe_route(router_logits, top_k, renormalize)
+
+
+def moe_experts(x, gate_up, down, weights, ids):
+    """The routed experts' SwiGLU MLPs, weighted and summed per token: x [T, H], gate_up [E, 2I, H], down
+    [E, H, I] -> [T, H] (ops/moe_reference.py; one implementation, in torch, for now)."""
+    return moe_reference.moe_experts(x, gate_up, down, weights, ids)

@@ -1,5 +1,6 @@
 """A broken checkpoint directory stops the job with a message naming the file and what is wrong with it."""
 import json
+import re
 import shutil
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.models.loader import build_model
+from engine.models.registry import MODELS
 from engine.tokenizer import load_tokenizer
 
 
@@ -33,8 +35,7 @@ def truncate(name: str):
     (edit_config(hidden_size="96", head_dim=0, rms_norm_eps=float("inf")),
      r"config.json has impossible values: hidden_size='96', head_dim=0, rms_norm_eps=inf$"),
     (edit_config(architectures=["GPT2LMHeadModel"]), r"config.json: architecture 'GPT2LMHeadModel' is not supported "
-                                                     r"\(supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, "
-                                                     r"Qwen3ForCausalLM\)$"),
+                                                     + re.escape(f"(supported architectures: {', '.join(MODELS)})") + "$"),
     (edit_config(intermediate_size=128), r"model.safetensors holds model.layers.0.mlp.down_proj.weight of shape "
                                          r"\(96, 192\), which does not fit the shape config.json gives the model"),
     (write("model.safetensors", b"\x00" * 64), r"cannot read the weights in .*model.safetensors \(.*\)"),

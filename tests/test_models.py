@@ -1,6 +1,7 @@
 """Llama 3 and Qwen2 against transformers' own models on the same checkpoints (float32, greedy), the
 loader's packed shards, the RoPE tables, the registry's errors and the weight footprint (the bench floor's)."""
 import json
+import re
 
 import pytest
 import torch
@@ -10,11 +11,12 @@ from test_oracle import engine_outputs, reference_outputs
 from engine.errors import ConfigError
 from engine.models.decoder import WeightFootprint
 from engine.models.loader import build_model, model_spec, to_hf_model, unpacked_state_dict
+from engine.models.registry import MODELS
 from engine.models.rope import Rope, inverse_frequencies, rope_from_config
 from engine.tokenizer import byte_level_tokenizer
 
 PROMPT_LENGTHS = (1, 3, 5, 17, 40, 63)
-SUPPORTED = r"\(supported architectures: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM\)"
+SUPPORTED = re.escape(f"(supported architectures: {', '.join(MODELS)})")  # the registry's, in its order
 # llama3 scaling over a short original context, so that head_dim 16's frequencies fall in all three of its
 # bands: kept (wavelength < 64 / 4), interpolated, divided by factor (wavelength > 64)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,

@@ -25,6 +25,7 @@ from engine.attention import PagedAttention
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec
 from engine.models.layers import PackedLinear, RMSNorm, add_linear_, project
+from engine.models.moe import SparseMoeMLP
 from engine.models.rope import Rope, RotaryEmbedding, rope_from_config
 
 
@@ -44,6 +45,12 @@ class DecoderArch:
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    # mixture of experts (engine/models/moe.py): the layers whose MLP is sparse, and its sizes
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
 
 class DecoderAttention(nn.Module):
@@ -86,6 +93,14 @@ class DecoderMLP(nn.Module):
         act = ops.silu_and_mul(gate_up, input_norm=(hidden, input_norm_eps), bias=self.gate_up_proj.bias)
         add_linear_(hidden, act, self.down_proj)
 
+    def fold_norm(self, norm: RMSNorm, apart=frozenset()) -> None:
+        norm.fold_into(self.gate_up_proj, self.gate_up_proj in apart)
+
+    @property
+    def norm_reader(self) -> nn.Module:
+        """The projection the post-attention norm folds into (its input_weight, if folded apart)."""
+        return self.gate_up_proj
+
 
 # A layer's RMSNorms whose weights fold_norm_weights moves into the projections after them (and removes)
 FOLDED_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -99,10 +114,10 @@ class DecoderLayer(nn.Module):
     (the RoPE's, the SiLU's) applies the row scale rsqrt(mean(x^2) + eps). A decode step saves two norm
     kernels a layer; the sums into the stream happen in o_proj's and down_proj's matmuls (add_linear_)."""
 
-    def __init__(self, arch: DecoderArch):
+    def __init__(self, arch: DecoderArch, index: int):
         super().__init__()
         self.self_attn = DecoderAttention(arch)
-        self.mlp = DecoderMLP(arch)
+        self.mlp = SparseMoeMLP(arch) if index in arch.moe_layers else DecoderMLP(arch)
         self.norm_eps = arch.rms_norm_eps
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -125,7 +140,7 @@ class DecoderLayer(nn.Module):
     def fold_norm_weights(self, apart=frozenset()) -> None:
         """apart: the projections whose weights go to FP8 (RMSNorm.fold_into's)."""
         self.input_layernorm.fold_into(self.self_attn.qkv_proj, self.self_attn.qkv_proj in apart)
-        self.post_attention_layernorm.fold_into(self.mlp.gate_up_proj, self.mlp.gate_up_proj in apart)
+        self.mlp.fold_norm(self.post_attention_layernorm, apart)
         for name in FOLDED_NORMS:
             delattr(self, name)
 
@@ -137,7 +152,7 @@ class DecoderModel(nn.Module):
     def __init__(self, arch: DecoderArch, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope, max_positions)
 
@@ -190,6 +205,9 @@ class DecoderForCausalLM(nn.Module):
     # checkpoint projection -> (the PackedLinear it goes into, its shard there)
     packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # an expert's projection (mlp.experts.<e>.<name>.weight) -> (its StackedExperts parameter, part)
+    expert_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                              "down_proj": ("down_proj", None)}
 
     def __init__(self, arch: DecoderArch, max_positions: int):
         super().__init__()

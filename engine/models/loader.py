@@ -18,6 +18,7 @@ from engine.models.decoder import FOLDED_NORMS, DecoderArch, DecoderForCausalLM,
 from engine.models.layers import PackedLinear
 from engine.models.quantization import (ACTIVATION_SCALES, FP8_DTYPES, WeightFormat, dequantize, fp8_gemms,
                                         fp8_projections, round_projections_to_fp8, store_fp8, weight_format)
+from engine.models.moe import StackedExperts
 from engine.models.registry import model_class
 from engine.models.rope import is_positive
 
@@ -139,13 +140,19 @@ def check_checkpoint(path: Path) -> None:
         raise ConfigError(f"model.path {str(path)!r} lacks {', '.join(missing)}")
 
 
-def checkpoint_target(name: str, packed_modules_mapping: dict) -> tuple[str, int | None]:
-    """The model parameter a checkpoint tensor goes into, and its shard there (None: all of it)."""
+def checkpoint_target(name: str, model: DecoderForCausalLM) -> tuple[str, object]:
+    """The model parameter a checkpoint tensor goes into, and its shard there (None: all of it): an expert's
+    projection (<mlp>.experts.<e>.<projection>.weight) goes into its StackedExperts parameter at (e, part),
+    a packed projection into its PackedLinear at its index."""
     module_path, _, leaf = name.rpartition(".")
     parent, _, module = module_path.rpartition(".")
-    if module not in packed_modules_mapping:
+    mlp, _, expert = parent.rpartition(".experts.")
+    if mlp and expert.isdigit() and module in model.expert_modules_mapping:
+        stacked, part = model.expert_modules_mapping[module]
+        return f"{mlp}.experts.{stacked}", (int(expert), part)
+    if module not in model.packed_modules_mapping:
         return name, None
-    packed, shard = packed_modules_mapping[module]
+    packed, shard = model.packed_modules_mapping[module]
     return f"{parent}.{packed}.{leaf}", shard
 
 
@@ -156,8 +163,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, fmt: WeightFormat | None
     a tensor that has no place in the model or does not fit it, an FP8 weight without its scale or with
     one of the wrong shape, and for parameters no tensor filled."""
     params, modules = dict(model.named_parameters()), dict(model.named_modules())
-    needed = {(name, shard) for name, param in params.items()
-              for shard in _shards(modules[name.rpartition(".")[0]])}
+    needed = {(name, shard) for name in params for shard in _shards(modules[name.rpartition(".")[0]], name)}
     loaded, files = set(), sorted(path.glob("*.safetensors"))
     scales = _scale_tensors(files, fmt) if fmt else {}
     for file in files:
@@ -167,7 +173,7 @@ def load_weights(model: DecoderForCausalLM, path: Path, fmt: WeightFormat | None
                     if name.endswith(COMPUTED_BUFFERS) or (name == "lm_head.weight" and model.arch.tie_word_embeddings) \
                             or name in scales or name.endswith(ACTIVATION_SCALES):
                         continue
-                    target, shard = checkpoint_target(name, model.packed_modules_mapping)
+                    target, shard = checkpoint_target(name, model)
                     if target not in params:
                         raise ConfigError(f"model.path: {file} holds {name}, which {type(model).__name__} as "
                                           f"config.json describes it has no parameter for")
@@ -215,8 +221,14 @@ def _dequantized(tensor: torch.Tensor, name: str, file: Path, fmt: WeightFormat 
     return dequantize(tensor, scale, fmt, f"model.path: {scale_file} holds {scale_name}, which")
 
 
-def _shards(module) -> list[int | None]:
-    return list(range(len(module.output_sizes))) if isinstance(module, PackedLinear) else [None]
+def _shards(module, name: str) -> list:
+    """The shards a checkpoint fills of parameter `name` of module: each projection of a PackedLinear, each
+    expert's part of a StackedExperts parameter, else the whole (None)."""
+    if isinstance(module, PackedLinear):
+        return list(range(len(module.output_sizes)))
+    if isinstance(module, StackedExperts):
+        return module.shard_ids(name.rpartition(".")[2])
+    return [None]
 
 
 def init_random_weights(model: DecoderForCausalLM, seed: int, std: float) -> None:
@@ -242,6 +254,9 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[De
     if path:
         check_checkpoint(path)
     cls, arch, eos = model_spec(model_cfg, path)
+    if arch.moe_layers and device.type == "cuda":  # ops.moe_experts syncs with the host once per layer
+        raise ConfigError(f"model: {cls.__name__} runs on the CPU for now (model.device=cpu): its experts' op has "
+                          f"no CUDA kernel yet")
     fmt = weight_format(read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}") if path else None
     with torch.device(device):  # built where it runs: a 0.6B model's CPU init took ~8 s of a GPU job's start-up
         model = cls(arch, model_cfg.max_model_len)
@@ -281,7 +296,7 @@ def unpacked_state_dict(model: DecoderForCausalLM) -> dict[str, torch.Tensor]:
     ones = torch.ones(model.arch.hidden_size, dtype=model.dtype, device=model.lm_head.weight.device)
     for name, module in modules.items():
         if isinstance(module, DecoderLayer):
-            readers = (module.self_attn.qkv_proj, module.mlp.gate_up_proj)  # FOLDED_NORMS' projections
+            readers = (module.self_attn.qkv_proj, module.mlp.norm_reader)  # FOLDED_NORMS' projections
             state.update({f"{name}.{norm}.weight": getattr(reader, "input_weight", ones)
                           for norm, reader in zip(FOLDED_NORMS, readers)})
     for name, tensor in model.state_dict().items():

@@ -5,9 +5,10 @@ from engine.models.decoder import DecoderForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[DecoderForCausalLM]] = {
-    cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+    cls.__name__: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)}
 
 
 def model_class(config: dict, where: str) -> type[DecoderForCausalLM]:

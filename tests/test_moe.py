@@ -1,0 +1,114 @@
+"""Mixture-of-experts models (engine/models/qwen3_moe.py, engine/models/moe.py): a small random
+Qwen3-MoE saved by transformers (per-expert tensors, as the hub's) runs greedy token-exact with
+transformers; the MoE ops against a float64 loop over tokens and their experts."""
+import pytest
+import torch
+
+import ops
+from conftest import draw_norm_weights
+from engine.llm import LLM, SamplingParams
+from test_oracle import MAX_TOKENS, reference_outputs
+
+
+def moe_checkpoint(directory, **options):
+    """A random Qwen3-MoE (8 experts, top-2, 3 layers) with the byte-level tokenizer, and transformers' model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from engine.tokenizer import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=96, intermediate_size=160, moe_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.eos_token_id, **options)
+    torch.manual_seed(4321)
+    model = draw_norm_weights(Qwen3MoeForCausalLM(config)).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory, model
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(9)
+    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (1, 7, 20, 41)]
+
+
+@pytest.mark.parametrize("options, block_size, num_blocks", [
+    ({}, 16, None),
+    ({}, 4, 32),  # 128 slots (one sequence of max_model_len) for four of 1-41 + MAX_TOKENS tokens: preemptions
+    ({"mlp_only_layers": [1], "norm_topk_prob": False}, 16, None),
+], ids=["sparse", "preempted", "dense_layer_unnormalized"])
+def test_greedy_matches_transformers(tmp_path, prompts, options, block_size, num_blocks):
+    path, hf_model = moe_checkpoint(tmp_path / "moe", **options)
+    expected, gap = reference_outputs(hf_model, prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, device="cpu", block_size=block_size,
+              num_blocks=num_blocks)
+    layers = llm.engine.model.model.layers
+    sparse = [type(layer.mlp).__name__ == "SparseMoeMLP" for layer in layers]
+    assert sparse == [i not in options.get("mlp_only_layers", []) for i in range(3)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    if num_blocks:
+        assert llm.stats().figures["preemptions"] > 0, "the pool was meant to preempt"
+    again = llm.hf_model()  # the stacked experts and the kept norms under transformers' names: the same function
+    assert sorted(again.state_dict()) == sorted(hf_model.state_dict())
+    ids = torch.tensor([prompts[-1]])
+    assert torch.allclose(again(ids).logits, hf_model(ids).logits, atol=1e-4)
+
+
+def float64_moe(x, logits, gate_up, down, top_k, renormalize):
+    """Token by token, expert by expert, in float64."""
+    x, logits, gate_up, down = x.double(), logits.double(), gate_up.double(), down.double()
+    out = torch.zeros_like(x)
+    inter = down.shape[2]
+    for t in range(x.shape[0]):
+        probs = torch.softmax(logits[t], dim=0)
+        weights, ids = probs.topk(top_k)
+        if renormalize:
+            weights = weights / weights.sum()
+        for w, e in zip(weights, ids.tolist()):
+            gate, up = gate_up[e, :inter] @ x[t], gate_up[e, inter:] @ x[t]
+            out[t] += w * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("tokens, top_k, renormalize", [(1, 2, True), (37, 2, True), (37, 1, False), (12, 8, True)])
+def test_moe_ops_match_a_float64_loop(tokens, top_k, renormalize):
+    generator = torch.Generator().manual_seed(tokens * 10 + top_k)
+    num_experts, hidden, inter = 8, 32, 24
+    x = torch.randn(tokens, hidden, generator=generator)
+    router = torch.randn(num_experts, hidden, generator=generator)
+    router[2] *= 3  # uneven: expert 2 picked more often
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / 4
+    down = torch.randn(num_experts, hidden, inter, generator=generator) / 4
+    logits = x @ router.T
+    logits[:, 5] -= 100  # an expert no token picks (top_k < 8)
+    weights, ids = ops.moe_route(logits, top_k, renormalize)
+    assert ids.shape == (tokens, top_k) and (top_k == 8 or not (ids == 5).any())
+    out = ops.moe_experts(x, gate_up, down, weights, ids)
+    assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, renormalize), rtol=1e-4, atol=1e-5)
+
+
+def test_impossible_expert_counts_are_named(tmp_path):
+    import json
+
+    from engine.errors import ConfigError
+
+    path, _ = moe_checkpoint(tmp_path / "moe")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
+    with pytest.raises(ConfigError, match=r"config.json: a mixture of experts needs 1 <= num_experts_per_tok <= "
+                                          r"num_experts, .* got 9, 8, 48 and 1"):
+        LLM(model=str(path), dtype="float32", max_model_len=128, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA refusal")
+def test_a_moe_model_on_cuda_is_refused_until_its_kernel_exists(tmp_path):
+    from engine.errors import ConfigError
+
+    path, _ = moe_checkpoint(tmp_path / "moe")
+    with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM runs on the CPU for now"):
+        LLM(model=str(path), max_model_len=128, device="cuda")
