@@ -42,7 +42,7 @@ class ModelConfig:
     cpu_threads: Optional[int] = None  # torch threads on the CPU; null: 1, more only for hidden sizes >= 1024
     max_model_len: int = 512  # prompt + output tokens of one sequence
     seed: int = 0  # seed of the random weights
-    architecture: str = "Qwen3ForCausalLM"  # random weights: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM (a checkpoint names its own)
+    architecture: str = "Qwen3ForCausalLM"  # random weights: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM (a checkpoint names its own)
     vocab_size: int = 257  # random weights: tokens in the vocabulary (a checkpoint has its own shape)
     hidden_size: int = 64  # random weights: model width
     intermediate_size: int = 128  # random weights: MLP width
@@ -60,6 +60,12 @@ class ModelConfig:
     tie_word_embeddings: bool = True  # random weights: the LM head is the embedding matrix
     initializer_range: float = 0.02  # random weights: their standard deviation
     eos_token_id: int = 256  # random weights: the end-of-sequence token
+    num_experts: int = 0  # random weights, Qwen3MoeForCausalLM: experts in each sparse layer
+    num_experts_per_tok: int = 0  # random weights, Qwen3MoeForCausalLM: experts each token is routed to
+    moe_intermediate_size: int = 0  # random weights, Qwen3MoeForCausalLM: an expert's MLP width
+    norm_topk_prob: bool = True  # random weights, Qwen3MoeForCausalLM: the routed experts' weights sum to 1
+    decoder_sparse_step: int = 1  # random weights, Qwen3MoeForCausalLM: every this-many-th layer is sparse
+    mlp_only_layers: list[int] = field(default_factory=list)  # random weights, Qwen3MoeForCausalLM: layers kept dense
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     piecewise_graphs: Optional[bool] = None  # steps with prompt chunks replay a graph per layer around an eager attention; null: on for CUDA, off for the CPU (true there runs the same pieces eagerly)
 
@@ -149,9 +155,17 @@ def converted(schema: type, name: str, value):
     args = typing.get_args(kind)
     if value is None and (type(None) in args or kind is Any):
         return None
+    if typing.get_origin(kind) is list:  # a list of one kind (model.mlp_only_layers)
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise ConfigError(f"{name}: Value {value!r} of type {type(value).__name__!r} is not a list")
+        return [_scalar(args[0], name, element) for element in value]
     base = next((a for a in args if a is not type(None)), kind)
     if base is Any or base not in KINDS:
         return list(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
+    return _scalar(base, name, value)
+
+
+def _scalar(base: type, name: str, value):
     try:
         if isinstance(value, bool) != (base is bool) and not isinstance(value, str) or \
                 base is int and isinstance(value, float):

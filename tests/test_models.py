@@ -187,7 +187,12 @@ def test_weight_footprint_by_hand(make_config, architecture, tied, nonembed):
 
 @pytest.mark.parametrize("name, architecture, params", [
     ("llama-3.2-1b", "LlamaForCausalLM", 1_235_814_400), ("qwen2.5-0.5b", "Qwen2ForCausalLM", 494_032_768),
-    ("qwen3-8b", "Qwen3ForCausalLM", 8_190_735_360), ("llama-3.3-70b", "LlamaForCausalLM", 70_553_706_496)])
+    ("qwen3-8b", "Qwen3ForCausalLM", 8_190_735_360), ("llama-3.3-70b", "LlamaForCausalLM", 70_553_706_496),
+    # by hand: embedding and untied head 2 x 151,936 x 2,048; 48 layers of attention (2,048 x 4,096 q and o,
+    # 2,048 x 512 k and v, 2 x 128 QK-norm), router 128 x 2,048, 128 experts of 3 x 2,048 x 768, two norms of
+    # 2,048; the final norm 2,048
+    ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 2 * 151_936 * 2_048 + 48 * (
+        2 * 2_048 * 4_096 + 2 * 2_048 * 512 + 256 + 128 * 2_048 + 128 * 3 * 2_048 * 768 + 2 * 2_048) + 2_048)])
 def test_model_configs_have_the_published_sizes(make_config, name, architecture, params):
     cls, arch, _ = model_spec(make_config(f"model={name}").model, None)
     assert cls.__name__ == architecture

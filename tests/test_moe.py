@@ -112,3 +112,15 @@ def test_a_moe_model_on_cuda_is_refused_until_its_kernel_exists(tmp_path):
     path, _ = moe_checkpoint(tmp_path / "moe")
     with pytest.raises(ConfigError, match=r"Qwen3MoeForCausalLM runs on the CPU for now"):
         LLM(model=str(path), max_model_len=128, device="cuda")
+
+
+def test_random_weights_of_a_moe_shape_run_as_their_transformers_model(prompts):
+    """model.architecture=Qwen3MoeForCausalLM with the expert keys (the qwen3-30b-a3b config's, made small):
+    greedy tokens equal those of transformers' model built from the engine's weights (to_hf_model)."""
+    llm = LLM(model="tiny", device="cpu", max_model_len=128, architecture="Qwen3MoeForCausalLM", num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0], initializer_range=0.2)
+    assert [type(layer.mlp).__name__ for layer in llm.engine.model.model.layers] == ["DecoderMLP", "SparseMoeMLP"]
+    expected, gap = reference_outputs(llm.hf_model(), prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -108,7 +108,10 @@ def random_weights_config(model_cfg) -> dict:
             "head_dim": m.head_dim, "rms_norm_eps": m.rms_norm_eps, "tie_word_embeddings": m.tie_word_embeddings,
             "rope_parameters": {"rope_type": m.rope_type, "rope_theta": m.rope_theta, "factor": m.rope_factor,
                                 "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
-                                "original_max_position_embeddings": m.rope_original_max_position_embeddings}}
+                                "original_max_position_embeddings": m.rope_original_max_position_embeddings},
+            "num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.moe_intermediate_size, "norm_topk_prob": m.norm_topk_prob,
+            "decoder_sparse_step": m.decoder_sparse_step, "mlp_only_layers": list(m.mlp_only_layers)}
 
 
 def model_spec(model_cfg, path: Path | None) -> tuple[type[DecoderForCausalLM], DecoderArch, list[int]]:
