@@ -181,7 +181,8 @@ def moe_route(router_logits, top_k: int, renormalize: bool):
     return moe_reference.moe_route(router_logits, top_k, renormalize)
 
 
-def moe_experts(x, gate_up, down, weights, ids):
+def moe_experts(x, gate_up, down, weights, ids, backend=None):
     """The routed experts' SwiGLU MLPs, weighted and summed per token: x [T, H], gate_up [E, 2I, H], down
-    [E, H, I] -> [T, H] (ops/moe_reference.py; one implementation, in torch, for now)."""
-    return moe_reference.moe_experts(x, gate_up, down, weights, ids)
+    [E, H, I], weights [T, k], ids int64 [T, k] -> [T, H] (ops/moe_reference.py; Triton: ops/moe.py, two
+    grouped GEMMs over the pairs sorted by expert, nothing waiting for the host)."""
+    return _pick(backend, x, "moe").moe_experts(x, gate_up, down, weights, ids)

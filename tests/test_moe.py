@@ -75,8 +75,12 @@ def float64_moe(x, logits, gate_up, down, top_k, renormalize):
     return out
 
 
-@pytest.mark.parametrize("tokens, top_k, renormalize", [(1, 2, True), (37, 2, True), (37, 1, False), (12, 8, True)])
-def test_moe_ops_match_a_float64_loop(tokens, top_k, renormalize):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("tokens, top_k, renormalize", [(1, 2, True), (37, 2, True), (37, 1, False), (12, 8, True),
+                                                        (300, 2, True)])
+def test_moe_ops_match_a_float64_loop(backend, tokens, top_k, renormalize):
+    """Both backends (Triton's in its interpreter on the CPU): one token, uneven routing (expert 2 favoured),
+    an expert no token picks, top-k 1, 2 and 8, and more pairs than one block of each expert holds."""
     generator = torch.Generator().manual_seed(tokens * 10 + top_k)
     num_experts, hidden, inter = 8, 32, 24
     x = torch.randn(tokens, hidden, generator=generator)
@@ -88,7 +92,8 @@ def test_moe_ops_match_a_float64_loop(tokens, top_k, renormalize):
     logits[:, 5] -= 100  # an expert no token picks (top_k < 8)
     weights, ids = ops.moe_route(logits, top_k, renormalize)
     assert ids.shape == (tokens, top_k) and (top_k == 8 or not (ids == 5).any())
-    out = ops.moe_experts(x, gate_up, down, weights, ids)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = ops.moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids)), backend=backend).cpu()
     assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, renormalize), rtol=1e-4, atol=1e-5)
 
 

@@ -1,6 +1,6 @@
 """A mixture-of-experts MLP (Qwen3-MoE's sparse block): a router picks num_experts_per_tok of num_experts
 SwiGLU experts per token (ops.moe_route), their outputs are weighted and summed into the residual stream
-(ops.moe_experts).
+(ops.moe_experts: on CUDA two grouped GEMMs over the pairs sorted by expert, ops/moe.py).
 
 The experts' weights are stacked, as transformers holds them: experts.gate_up_proj [E, 2I, H] (expert e's
 gate rows, then its up rows) and experts.down_proj [E, H, I]; a checkpoint's per-expert tensors

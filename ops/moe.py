@@ -1,0 +1,127 @@
+"""The Triton version of ops/moe_reference.moe_experts: the routed experts as two grouped GEMMs.
+
+    moe_experts(x[T, H], gate_up[E, 2I, H], down[E, H, I], weights[T, k], ids[T, k]) -> [T, H]
+
+The T * k (token, expert) pairs are sorted by expert (stably) and each expert's run is padded to a multiple
+of BLOCK_M (sorted_pairs, block_experts: torch ops on the device, sized by the bound T * k + E * (BLOCK_M - 1)
+so nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
+takes one block of BLOCK_M pairs of one expert and BLOCK_N columns of its intermediate: it gathers the
+pairs' token rows of x, multiplies them by that expert's gate and up rows over H, and writes silu(gate) *
+up in x's dtype ([T * k, I], indexed by pair). The second kernel multiplies those rows by the expert's down
+projection and scales each by its pair's weight ([T * k, H]); the k rows of a token are summed after. A
+block past the last expert's run (expert -1) does nothing; an expert no token picks has no block, so its
+weights are never read.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
+    """(pair index per padded row int64 [P] (-1: padding), expert per block int64 [P // block_m] (-1: none))
+    for ids [T, k]: pairs t * k + j in expert order, each expert's run padded to a multiple of block_m;
+    P = the bound T * k + E * (block_m - 1), rounded up to block_m."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    rows = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_start = torch.cumsum(padded, 0) - padded  # where each expert's padded run begins
+    sorted_start = torch.cumsum(counts, 0) - counts  # where each expert's pairs begin in `order`
+    expert_of_sorted = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - sorted_start[expert_of_sorted]
+    pair_of_row = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)
+    pair_of_row[run_start[expert_of_sorted] + rank] = order
+    block_start = torch.arange(0, rows, block_m, device=ids.device)
+    expert_of_block = torch.searchsorted(run_start + padded, block_start, right=True)
+    expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1)
+    return pair_of_row, expert_of_block
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
+                    s_xt, s_we, s_wr, s_wc, s_ot,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(expert_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + rows)
+    live = pair >= 0
+    token = tl.where(live, pair // top_k, 0)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    w = w_ptr + expert.to(tl.int64) * s_we
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < H
+        a = tl.load(x_ptr + token[:, None].to(tl.int64) * s_xt + ks[None, :], mask=live[:, None] & k_mask[None, :],
+                    other=0.0)
+        g = tl.load(w + cols[None, :] * s_wr + ks[:, None] * s_wc, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+        u = tl.load(w + (cols[None, :] + I) * s_wr + ks[:, None] * s_wc, mask=col_mask[None, :] & k_mask[:, None],
+                    other=0.0)
+        if UPCAST:  # the interpreter's 16-bit tl.dot is wrong (Triton 3.9)
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        gate = tl.dot(a, g, gate)
+        up = tl.dot(a, u, up)
+    dt = out_ptr.dtype.element_ty
+    gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)  # the reference's roundings
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * s_ot + cols[None, :], (act * up).to(dt),
+             mask=live[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
+                 s_ht, s_we, s_wr, s_wc, s_ot,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    block, col_block = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(expert_ptr + block)
+    if expert < 0:
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pair_ptr + rows)
+    live = pair >= 0
+    safe = tl.where(live, pair, 0).to(tl.int64)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < H
+    w = w_ptr + expert.to(tl.int64) * s_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < I
+        a = tl.load(h_ptr + safe[:, None] * s_ht + ks[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w + cols[None, :] * s_wr + ks[:, None] * s_wc, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    dt = out_ptr.dtype.element_ty
+    scale = tl.load(weight_ptr + safe, mask=live, other=0.0).to(dt).to(tl.float32)
+    rows_out = acc.to(dt).to(tl.float32) * scale[:, None]
+    tl.store(out_ptr + safe[:, None] * s_ot + cols[None, :], rows_out.to(dt), mask=live[:, None] & col_mask[None, :])
+
+
+def moe_experts(x, gate_up, down, weights, ids, block_m: int = 16):
+    T, H = x.shape
+    num_experts, two_i, _ = gate_up.shape
+    inter, k = two_i // 2, ids.shape[1]
+    if T == 0:
+        return torch.zeros_like(x)
+    pair_of_row, expert_of_block = sorted_pairs(ids, num_experts, block_m)
+    hidden = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
+    per_pair = torch.zeros((T * k, H), dtype=x.dtype, device=x.device)
+    upcast = not x.is_cuda
+    block_n = min(64, triton.next_power_of_2(max(inter, H, 16)))
+    x = x.contiguous()
+    _gate_up_kernel[(expert_of_block.numel(), triton.cdiv(inter, block_n))](
+        x, gate_up, hidden, pair_of_row, expert_of_block, k, H, inter, x.stride(0), *gate_up.stride(), hidden.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast)
+    _down_kernel[(expert_of_block.numel(), triton.cdiv(H, block_n))](
+        hidden, down, weights.reshape(-1).contiguous(), per_pair, pair_of_row, expert_of_block, H, inter,
+        hidden.stride(0), *down.stride(), per_pair.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast)
+    return per_pair.view(T, k, H).sum(dim=1)
