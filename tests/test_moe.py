@@ -129,3 +129,19 @@ def test_random_weights_of_a_moe_shape_run_as_their_transformers_model(prompts):
     assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
     outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_the_floor_counts_the_experts_a_token_reads(make_config):
+    """weight_footprint by hand for a 2-layer MoE (hidden 64, 4 query and 2 KV heads of 16, 4 experts of 32,
+    2 a token, tied head of 257 x 64): per layer q and o 64 x 64, k and v 64 x 32, QK-norms 2 x 16, the two
+    norms 2 x 64, the router 4 x 64, and 2 of the 4 experts' 3 x 64 x 32; the final norm 64; float32."""
+    from engine.models.decoder import WeightFootprint
+    from engine.models.loader import build_model
+
+    cfg = make_config("model.architecture=Qwen3MoeForCausalLM", "model.num_experts=4", "model.num_experts_per_tok=2",
+                      "model.moe_intermediate_size=32")
+    model, _ = build_model(cfg.model, torch.device("cpu"), torch.float32)
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 16 + 2 * 64 + 4 * 64 + 2 * 3 * 64 * 32
+    nonembed = 2 * layer + 64
+    assert model.weight_footprint() == WeightFootprint(nonembed_params=nonembed, lm_head_params=257 * 64,
+                                                       bytes_per_step=(nonembed + 257 * 64) * 4)

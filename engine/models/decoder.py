@@ -261,12 +261,18 @@ class DecoderForCausalLM(nn.Module):
 
     def weight_footprint(self) -> WeightFootprint:
         """The footprint of a model whose norms are folded (build_model's): a folded norm counts as the
-        hidden_size parameters it was, in the model's dtype."""
+        hidden_size parameters it was, in the model's dtype. A mixture-of-experts layer's experts count
+        num_experts_per_tok of num_experts: what one token reads and multiplies, the least a forward pass
+        reads of them (so the floor stays a bound whatever the routing)."""
         embed, head = self.model.embed_tokens.weight, self.lm_head.weight
         weights = [p for p in self.parameters() if p is not embed or p is head]  # a tied weight once
         folded = len(FOLDED_NORMS) * self.arch.num_hidden_layers * self.arch.hidden_size
         params = sum(p.numel() for p in weights) + folded
         nbytes = sum(p.numel() * p.element_size() for p in weights) + folded * self.dtype.itemsize
+        for mlp in (layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)):
+            for stacked in mlp.experts.parameters():  # [E, ...]: the unrouted experts' share
+                unread = stacked.numel() // stacked.shape[0] * (stacked.shape[0] - mlp.top_k)
+                params, nbytes = params - unread, nbytes - unread * stacked.element_size()
         return WeightFootprint(params - head.numel(), head.numel(), nbytes)
 
     @torch.no_grad()
