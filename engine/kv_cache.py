@@ -27,7 +27,7 @@ class KVCacheSpec:
 
 
 FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-FP8_CAPABILITY = (8, 9)  # Ada and Hopper convert to and from FP8 in hardware (Triton's fp8e4nv needs it)
+FP8_CAPABILITY = (8, 9)  # Ada and Hopper: FP8 in hardware (Triton's fp8e4nv, torch._scaled_mm's FP8 GEMMs)
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -155,22 +155,30 @@ def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, pres
 
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+FP8_DTYPES = paged_attention_reference.FP8_DTYPES
+
+
+def quantize_rows_to_e4m3(x):
+    """(q float8_e4m3fn, scale float32 [R, 1]) with x [R, C] ~ q * scale: each row's scale is its largest
+    magnitude / 448 (an all-zero row: 1), so its largest value maps to e4m3's largest. Weights per output
+    row (engine/models/quantization.py) and activations per token (fp8_matmul) alike."""
+    x = x.float()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def fp8_matmul(x, weight, weight_scale, input_weight=None):
     """x [T, K] (the model's dtype) @ (weight * weight_scale[:, None])^T -> [T, N] in x's dtype: W8A8 with
     dynamic per-token activation scales, as torch ops on any device. weight float8_e4m3fn [N, K] with
     weight_scale float32 [N] (one scale per output row); input_weight [K] (optional): a folded RMSNorm's
-    weight, multiplied into x first. Each row of x' = x * input_weight goes to e4m3 with the scale
-    amax(|x'|) / 448 (an all-zero row: 1); torch._scaled_mm multiplies the FP8 operands, accumulating in
+    weight, multiplied into x first. Each row of x' = x * input_weight goes to e4m3 (quantize_rows_to_e4m3);
+    torch._scaled_mm multiplies the FP8 operands, accumulating in
     float32, and applies both scales. Contract: the float64 product of the dequantized operands, to float32
     accumulation (tests/test_fp8_weights.py)."""
     if x.shape[0] == 0:
         return x.new_empty((0, weight.shape[0]))
-    scaled = x.float() if input_weight is None else x.float() * input_weight.float()
-    amax = scaled.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (scaled / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q, scale = quantize_rows_to_e4m3(x if input_weight is None else x.float() * input_weight.float())
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
                             out_dtype=x.dtype)
 

@@ -40,19 +40,23 @@ def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 @triton.jit
+def _block_tile(pair_ptr, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile: the pairs of its block of BLOCK_M sorted rows (-1: padding; live marks the
+    others) and its BLOCK_N output columns (col_mask: those < num_cols)."""
+    pair = tl.load(pair_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, pair >= 0, cols, cols < num_cols
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
                     s_xt, s_we, s_wr, s_wc, s_ot,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    block, col_block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(expert_ptr + block)
+    expert = tl.load(expert_ptr + tl.program_id(0))
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + rows)
-    live = pair >= 0
+    pair, live, cols, col_mask = _block_tile(pair_ptr, I, BLOCK_M, BLOCK_N)
     token = tl.where(live, pair // top_k, 0)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < I
     w = w_ptr + expert.to(tl.int64) * s_we
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -79,16 +83,11 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
                  s_ht, s_we, s_wr, s_wc, s_ot,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    block, col_block = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(expert_ptr + block)
+    expert = tl.load(expert_ptr + tl.program_id(0))
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pair_ptr + rows)
-    live = pair >= 0
+    pair, live, cols, col_mask = _block_tile(pair_ptr, H, BLOCK_M, BLOCK_N)
     safe = tl.where(live, pair, 0).to(tl.int64)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < H
     w = w_ptr + expert.to(tl.int64) * s_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):

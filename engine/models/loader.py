@@ -16,11 +16,12 @@ from safetensors import SafetensorError, safe_open
 from engine.errors import ConfigError
 from engine.models.decoder import FOLDED_NORMS, DecoderArch, DecoderForCausalLM, DecoderLayer
 from engine.models.layers import PackedLinear
-from engine.models.quantization import (ACTIVATION_SCALES, FP8_DTYPES, WeightFormat, dequantize, fp8_gemms,
-                                        fp8_projections, round_projections_to_fp8, store_fp8, weight_format)
 from engine.models.moe import StackedExperts
+from engine.models.quantization import (ACTIVATION_SCALES, WeightFormat, dequantize, fp8_gemms, fp8_projections,
+                                        round_projections_to_fp8, store_fp8, weight_format)
 from engine.models.registry import model_class
 from engine.models.rope import is_positive
+from ops import FP8_DTYPES
 
 # What a hub snapshot needs: config.json, generation_config.json, the weights (and their index), tokenizer files.
 TOKENIZER_FILES = ["*.json", "merges.txt", "tokenizer.model", "*.jinja"]

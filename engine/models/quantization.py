@@ -10,7 +10,7 @@ Which weights are quantized is read from their dtype (a format's ignore list, lm
 Activation scales (`input_scale`: static activation quantization) are not read.
 
 model.quantization=fp8 rounds the decoder layers' projections of any weights to e4m3 on load, one scale per
-output row (amax / 448), as vLLM's quantization="fp8" does.
+output row (amax / 448: ops.quantize_rows_to_e4m3), as vLLM's quantization="fp8" does.
 
 Where the device multiplies FP8 in hardware (fp8_gemms: CUDA of compute capability 8.9, Ada and Hopper, in
 bfloat16) the projections of per-row formats (channel, tensor, model.quantization=fp8) stay in e4m3 with a
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ConfigError
+from engine.kv_cache import FP8_CAPABILITY
+from ops import quantize_rows_to_e4m3
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 ACTIVATION_SCALES = ("input_scale",)  # tensors of a format that the dequantized model does not use
 
 
@@ -107,40 +107,32 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, wha
     return weight.float() * scale
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q float8_e4m3fn [out, in], scale float32 [out, 1]) with weight ~ q * scale: scale = the row's
-    largest magnitude / 448 (a zero row: 1), so each row's largest weight maps to e4m3's largest value."""
-    amax = weight.detach().float().abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (weight.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-
 def round_projections_to_fp8(layers) -> None:
     """model.quantization=fp8: every projection of the decoder layers (the Linear modules inside them)
     becomes the dequantized value of its per-channel e4m3 quantization, in place."""
     with torch.no_grad():
         for module in (m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)):
-            q, scale = quantize_per_channel(module.weight)
+            q, scale = quantize_rows_to_e4m3(module.weight.detach())
             module.weight.copy_(q.float() * scale)
-
-
-FP8_GEMM_CAPABILITY = (8, 9)  # CUDA devices that multiply FP8 operands (torch._scaled_mm's row-wise scales)
 
 
 def fp8_gemms(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether projections stored in FP8 run as FP8 GEMMs on `device` for a model in `dtype` (bfloat16:
     torch._scaled_mm's row-wise scales give bfloat16 outputs only, on CUDA)."""
     return device.type == "cuda" and dtype == torch.bfloat16 and \
-        torch.cuda.get_device_capability(device) >= FP8_GEMM_CAPABILITY
+        torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
 def fp8_projections(layers) -> dict:
     """{projection: (q e4m3 [out, in], scale float32 [out])} of every Linear in the decoder layers whose
     sizes torch._scaled_mm takes (multiples of 16), from its weights as they are (float32, before the norm
-    fold): quantize_per_channel's, which gives back a per-row FP8 weight's own values."""
-    return {m: (q, scale.reshape(-1)) for layer in layers for m in layer.modules()
-            if isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0
-            for q, scale in [quantize_per_channel(m.weight)]}
+    fold): quantize_rows_to_e4m3's, which gives back a per-row FP8 weight's own values."""
+    projections = {}
+    for module in (m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+        if module.in_features % 16 == 0 and module.out_features % 16 == 0:
+            q, scale = quantize_rows_to_e4m3(module.weight.detach())
+            projections[module] = (q, scale.reshape(-1))
+    return projections
 
 
 def store_fp8(projections: dict) -> None:
