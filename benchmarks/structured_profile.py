@@ -1,15 +1,16 @@
 """Where a constrained step's extra time goes: the bench's JSON-schema workload (jobs/bench.py,
-job.json_schemas) through the engine, with the model runner's structured-output work timed in place.
-
-Per step that applies masks, on the host (time.perf_counter): the whole of ModelRunner._constrained, and
-inside it the wait for the previous step's tokens and the masks' fill (fill_bitmasks, llguidance's
-threads); the rest is the matchers' accepts and the upload's and the kernel's launches. On the device (CUDA
-events around ops.apply_token_bitmask): the kernel. Then, outside the engine, the fill and the accepts (one
-by one, against llguidance's parallel consume_token_par) at 32, 128 and 512 rows; and the upload alone: a
-pinned [rows, words] int32 bitmask copied to the device, timed with events.
-Usage: python3 benchmarks/structured_profile.py TOKENIZER_DIR [NUM_PROMPTS] [JSON_SCHEMAS]
-       (a tokenizer saved by `benchmarks/grammar_backends.py --save`; defaults 256 prompts, 4 schemas)
+job.json_schemas) through the engine at 512 sequences, with the host's phases of each step timed in place
+(time.perf_counter, summed over the run): the schedule, the launch and inside it the masks' part
+(ModelRunner._constrained) and their fill (fill_bitmasks, llguidance's threads), the waits for the
+previous step's tokens; then the resolve. Rows: drawn, filled. On the device (CUDA events around
+ops.apply_token_bitmask): the kernel. Then, outside the engine, the fill and the accepts (one by one,
+against llguidance's parallel consume_token_par) at 32, 128 and 512 rows; and the upload alone: a pinned
+[rows, words] int32 bitmask copied to the device, timed with events.
+Usage: python3 benchmarks/structured_profile.py TOKENIZER_DIR [NUM_PROMPTS] [JSON_SCHEMAS] [OVERRIDE ...]
+       (a tokenizer saved by `benchmarks/grammar_backends.py --save`; defaults 256 prompts, 4 schemas;
+       OVERRIDEs: more config keys)
 """
+import collections
 import statistics
 import sys
 import time
@@ -27,36 +28,46 @@ from engine.structured import _executor, allocate_bitmask, bitmask_words, fill_b
 from jobs.bench import workload  # noqa: E402
 
 
-def timed(record: list, function):
+def timed(record: collections.Counter, name: str, function):
     def run(*args, **kwargs):
         start = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
-            record.append(time.perf_counter() - start)
+            record[name] += time.perf_counter() - start
     return run
 
 
-def main(tokenizer: str, num_prompts: int, schemas: int) -> None:
+def main(tokenizer: str, num_prompts: int, schemas: int, overrides: list[str]) -> None:
     engine = bench_engine(f"model.tokenizer={tokenizer}", "job.workload=random", f"job.num_prompts={num_prompts}",
                           "job.input_len=[100,1024]", "job.output_len=[100,1024]", f"job.json_schemas={schemas}",
-                          "sampling.temperature=0.6")
+                          "sampling.temperature=0.6", "scheduler.max_num_seqs=512", *overrides)
     requests = workload(engine.cfg.job, resolve_sampling(engine.cfg.sampling, engine.generation_config),
                         engine.model.arch.vocab_size)
     start = time.perf_counter()
     engine.grammars  # noqa: B018 (built here, as the bench job's setup builds it)
     print(f"grammar compiler: {time.perf_counter() - start:.2f} s for {len(engine.tokenizer)} tokens", flush=True)
-
-    constrained, waits, fills, kernels, rows = [], [], [], [], []
+    host, rows, kernels = collections.Counter(), collections.Counter(), []
     runner = engine.runner
-    plain_constrained = runner._constrained
+    engine.scheduler.schedule = timed(host, "schedule", engine.scheduler.schedule)
+    engine._resolve = timed(host, "resolve", engine._resolve)
+    engine._tokens = timed(host, "waits for tokens", engine._tokens)
+    runner.launch = timed(host, "launch", runner.launch)
+    runner._constrained = timed(host, "launch: masks", runner._constrained)
+    plain_fill = model_runner.fill_bitmasks
 
-    def constrained_step(processed, logits, drawing, output_index, previous, previous_tokens):
-        rows.append(sum(s.constraint is not None for s in drawing))
-        return plain_constrained(processed, logits, drawing, output_index, previous, timed(waits, previous_tokens))
+    def fill(pairs, bitmask):
+        rows["filled"] += bitmask.shape[0]
+        plain_fill(pairs, bitmask)
 
-    runner._constrained = timed(constrained, constrained_step)
-    model_runner.fill_bitmasks = timed(fills, model_runner.fill_bitmasks)
+    model_runner.fill_bitmasks = timed(host, "launch: fill", fill)
+    plain_start = model_runner.InFlight.start
+
+    def start_step(tokens, seqs, *args, **kwargs):
+        rows["drawn"] += len(seqs)
+        return plain_start(tokens, seqs, *args, **kwargs)
+
+    model_runner.InFlight.start = start_step
     plain_apply = ops.apply_token_bitmask
 
     def apply(*args, **kwargs):
@@ -78,13 +89,11 @@ def main(tokenizer: str, num_prompts: int, schemas: int) -> None:
         tokens = sum(len(s.output_token_ids) for s in engine.run())
         wall = time.perf_counter() - start
     steps = len(engine.stats.steps)
-    ms = lambda values: 1e3 * sum(values) / max(len(constrained), 1)  # noqa: E731  (per step with masks)
-    print(f"{num_prompts} requests, {schemas} schemas: {tokens} output tokens in {wall:.2f} s = {tokens / wall:.0f} tok/s; "
-          f"{steps} steps, {len(constrained)} with masks, {statistics.mean(rows or [0]):.0f} constrained rows a step; "
-          f"first token {engine.stats.first_token_s:.3f} s")
-    print(f"per step with masks: host _constrained {ms(constrained):.3f} ms = wait for the previous tokens "
-          f"{ms(waits):.3f} ms + fill {ms(fills):.3f} ms + the rest; "
-          f"device apply kernel {statistics.mean([b.elapsed_time(e) for b, e in kernels] or [0]):.3f} ms")
+    print(f"{num_prompts} requests, {schemas} schemas, {' '.join(overrides) or 'defaults'}: {tokens} output tokens in "
+          f"{wall:.2f} s = {tokens / wall:.0f} tok/s; {steps} steps; first token {engine.stats.first_token_s:.3f} s")
+    print("host per step, ms: " + ", ".join(f"{name} {1e3 * t / steps:.3f}" for name, t in sorted(host.items())))
+    print("rows: " + ", ".join(f"{name} {n}" for name, n in rows.items()) +
+          f"; device apply kernel {statistics.mean([b.elapsed_time(e) for b, e in kernels] or [0]):.3f} ms")
     accept_costs(engine.grammars, requests, (32, 128, 512))
     width = bitmask_words(engine.grammars.vocab_size)
     for count in (64, 256) if torch.cuda.is_available() else ():
@@ -128,4 +137,5 @@ def accept_costs(compiler, requests, counts, steps: int = 24) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 256, int(sys.argv[3]) if len(sys.argv) > 3 else 4)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 256, int(sys.argv[3]) if len(sys.argv) > 3 else 4,
+         sys.argv[4:])

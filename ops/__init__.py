@@ -154,18 +154,16 @@ def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, pres
                                               frequency)
 
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+E4M3_MAX = paged_attention_reference.E4M3_MAX
 FP8_DTYPES = paged_attention_reference.FP8_DTYPES
 
 
-def quantize_rows_to_e4m3(x):
-    """(q float8_e4m3fn, scale float32 [R, 1]) with x [R, C] ~ q * scale: each row's scale is its largest
-    magnitude / 448 (an all-zero row: 1), so its largest value maps to e4m3's largest. Weights per output
-    row (engine/models/quantization.py) and activations per token (fp8_matmul) alike."""
-    x = x.float()
-    amax = x.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+def quantize_rows_to_e4m3(x, input_weight=None, backend=None):
+    """(q float8_e4m3fn, scale float32 [R, 1]) with x' [R, C] ~ q * scale, x' = x * input_weight (optional, [C]:
+    a folded RMSNorm's weight) in float32: each row's scale is its largest magnitude / 448 (an all-zero row:
+    1), so its largest value maps to e4m3's largest. Weights per output row (engine/models/quantization.py)
+    and activations per token (fp8_matmul) alike (ops/fused_reference.py; Triton: one kernel)."""
+    return _pick(backend, x, "fused").quantize_rows_to_e4m3(x, input_weight)
 
 
 def fp8_matmul(x, weight, weight_scale, input_weight=None):
@@ -178,7 +176,7 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None):
     accumulation (tests/test_fp8_weights.py)."""
     if x.shape[0] == 0:
         return x.new_empty((0, weight.shape[0]))
-    q, scale = quantize_rows_to_e4m3(x if input_weight is None else x.float() * input_weight.float())
+    q, scale = quantize_rows_to_e4m3(x, input_weight)
     return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
                             out_dtype=x.dtype)
 

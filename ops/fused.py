@@ -6,6 +6,7 @@ references: ops/fused_reference.py).
                             key_cache, value_cache, slot_mapping[T], qk_norm=None, input_norm=None,
                             bias=None) -> q'
     silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I]
+    quantize_rows_to_e4m3(x[R, C], input_weight=None) -> (float8_e4m3fn [R, C], float32 [R, 1])
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
 rounding steps (float32 math, casts to the model dtype where the torch code casts; a folded input norm's
@@ -23,11 +24,15 @@ Kernels:
   slot of its token, and copies the same heads of v there (write_kv_cache's work, without a kernel of
   its own or a k' tensor).
 - silu_and_mul: one program per (row, tile of I).
+- quantize_rows_to_e4m3 (the activations of an FP8 GEMM): one program per row, two passes over it (its
+  largest magnitude, then the quotients), in place of torch's chain of eight kernels.
 The sampling kernels are in ops/sampling.py.
 """
 import torch
 import triton
 import triton.language as tl
+
+from ops.paged_attention_reference import E4M3_MAX
 
 
 def _num_warps(block):
@@ -247,3 +252,43 @@ def silu_and_mul(x, input_norm=None, bias=None):
         BLOCK_HIDDEN=block_hidden, num_warps=4,
     )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# quantize_rows_to_e4m3: per-row FP8 activations
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, s_x, s_q, E4M3_MAX: tl.constexpr,
+                          HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * s_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            v = v * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(v))
+    largest = tl.max(amax, axis=0)
+    scale = tl.where(largest > 0, largest / E4M3_MAX, 1.0)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + row * s_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            v = v * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(v / scale, -E4M3_MAX), E4M3_MAX)
+        tl.store(q_ptr + row * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+def quantize_rows_to_e4m3(x, input_weight=None):
+    R, C = x.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((R, 1), dtype=torch.float32, device=x.device)
+    if R == 0:
+        return q, scale
+    block = min(4096, triton.next_power_of_2(C))
+    _quantize_rows_kernel[(R,)](x, x if input_weight is None else input_weight.contiguous(), q, scale, C, x.stride(0),
+                                q.stride(0), E4M3_MAX=E4M3_MAX,
+                                HAS_WEIGHT=input_weight is not None, BLOCK=block, num_warps=_num_warps(block))
+    return q, scale

@@ -13,6 +13,9 @@ torch backend gives bit-identical results to them:
         per-head rms_norm over D of each (Qwen3's QK-norm). k' and v are written to the cache through
         slot_mapping (write_kv_cache of ops/paged_attention_reference.py); q' is returned.
     silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I] = silu(x[:, :I]) * x[:, I:]
+    quantize_rows_to_e4m3(x[R, C], input_weight=None) -> (q float8_e4m3fn [R, C], scale float32 [R, 1]):
+        x' = x.float() (* input_weight.float()), scale = amax(|x'| per row) / 448 (1 for a zero row),
+        q = clamp(x' / scale, -448, 448) rounded to e4m3 (to nearest, ties to even)
 
 Folded input norm. Given input_norm = (hidden[T,H], eps), q, k, v (or x) are projections of the raw
 hidden rows by weights that already hold the preceding RMSNorm's weight (W * norm_weight, column-wise),
@@ -24,7 +27,7 @@ added after that scaling, as the unfolded projection's bias.
 import torch
 import torch.nn.functional as F
 
-from ops.paged_attention_reference import write_kv_cache
+from ops.paged_attention_reference import E4M3_MAX, write_kv_cache
 
 
 def rms_norm(x, weight, eps):
@@ -68,3 +71,10 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
 def silu_and_mul(x, input_norm=None, bias=None):
     gate, up = input_normed(x, input_norm, bias).chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quantize_rows_to_e4m3(x, input_weight=None):
+    x = x.float() if input_weight is None else x.float() * input_weight.float()
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale

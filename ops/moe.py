@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ops.paged_attention import dot_precision
+
 
 def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     """(pair index per padded row int64 [P] (-1: padding), expert per block int64 [P // block_m] (-1: none))
@@ -51,7 +53,8 @@ def _block_tile(pair_ptr, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
                     s_xt, s_we, s_wr, s_wc, s_ot,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                    DOT_PREC: tl.constexpr):
     expert = tl.load(expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -70,8 +73,8 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
                     other=0.0)
         if UPCAST:  # the interpreter's 16-bit tl.dot is wrong (Triton 3.9)
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        gate = tl.dot(a, g, gate)
-        up = tl.dot(a, u, up)
+        gate = tl.dot(a, g, gate, input_precision=DOT_PREC)
+        up = tl.dot(a, u, up, input_precision=DOT_PREC)
     dt = out_ptr.dtype.element_ty
     gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)  # the reference's roundings
     act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
@@ -82,7 +85,8 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
                  s_ht, s_we, s_wr, s_wc, s_ot,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                 DOT_PREC: tl.constexpr):
     expert = tl.load(expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -97,7 +101,7 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
         b = tl.load(w + cols[None, :] * s_wr + ks[:, None] * s_wc, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
     dt = out_ptr.dtype.element_ty
     scale = tl.load(weight_ptr + safe, mask=live, other=0.0).to(dt).to(tl.float32)
     rows_out = acc.to(dt).to(tl.float32) * scale[:, None]
@@ -113,14 +117,14 @@ def moe_experts(x, gate_up, down, weights, ids, block_m: int = 16):
     pair_of_row, expert_of_block = sorted_pairs(ids, num_experts, block_m)
     hidden = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     per_pair = torch.zeros((T * k, H), dtype=x.dtype, device=x.device)
-    upcast = not x.is_cuda
+    upcast, precision = not x.is_cuda, dot_precision(x.dtype)  # float32: exact products, not TF32
     block_n = min(64, triton.next_power_of_2(max(inter, H, 16)))
     x = x.contiguous()
     _gate_up_kernel[(expert_of_block.numel(), triton.cdiv(inter, block_n))](
         x, gate_up, hidden, pair_of_row, expert_of_block, k, H, inter, x.stride(0), *gate_up.stride(), hidden.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast, DOT_PREC=precision)
     _down_kernel[(expert_of_block.numel(), triton.cdiv(H, block_n))](
         hidden, down, weights.reshape(-1).contiguous(), per_pair, pair_of_row, expert_of_block, H, inter,
         hidden.stride(0), *down.stride(), per_pair.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast, DOT_PREC=precision)
     return per_pair.view(T, k, H).sum(dim=1)

@@ -21,6 +21,7 @@ import torch
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # an FP8 KV cache's (cache.kv_cache_dtype)
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: e4m3's largest finite value
 
 
 def to_cache(x, dtype):

@@ -1,0 +1,49 @@
+"""The decode step's projections in bfloat16 against W8A8 FP8 (issue 31), per matmul, on the GPU.
+
+For each projection of $MODEL's arch (default Qwen3-8B) at M rows: F.linear over bf16 weights, torch._scaled_mm
+over FP8 weights with activations quantized already (the GEMM alone), the activations' quantization alone
+(ops.quantize_rows_to_e4m3), and ops.fp8_matmul (both). Each is timed as the engine runs it: over
+num_hidden_layers distinct weights (from HBM, not L2), captured in one CUDA graph, replayed (benchmarks/ops.bench,
+do_bench medians); time per matmul = replay time / layers.
+Usage (GPU): [MODEL=qwen3-0.6b] python3 benchmarks/fp8_gemm.py [M ...]   (default 16 64 128 256 512)
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import ops  # noqa: E402
+from benchmarks.gemm import shapes  # noqa: E402
+from benchmarks.ops import bench  # noqa: E402
+from engine.config import engine_config  # noqa: E402
+from engine.models.loader import model_spec, resolve_model_path  # noqa: E402
+
+
+def main(rows: list[int]) -> None:
+    cfg = engine_config(os.environ.get("MODEL", "qwen3-8b"))
+    arch = model_spec(cfg.model, resolve_model_path(cfg.model))[1]
+    layers = arch.num_hidden_layers
+    print(f"{cfg.model.name}: per matmul, us (over {layers} distinct weights, one CUDA graph)")
+    print(f"{'proj':8s} {'M':>5s} {'bf16':>8s} {'fp8 gemm':>9s} {'quant':>7s} {'fp8_matmul':>11s} {'speed-up':>9s}")
+    for name, (n, k) in shapes(arch).items():
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
+        w8 = [ops.quantize_rows_to_e4m3(w) for w in w16]
+        for m in rows:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = ops.quantize_rows_to_e4m3(x)
+            t16 = bench(lambda: [F.linear(x, w) for w in w16], graph=True) / layers
+            tgemm = bench(lambda: [torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.reshape(1, -1),
+                                                    out_dtype=torch.bfloat16) for q, s in w8], graph=True) / layers
+            tquant = bench(lambda: [ops.quantize_rows_to_e4m3(x) for _ in w8], graph=True) / layers
+            tfp8 = bench(lambda: [ops.fp8_matmul(x, q, s.reshape(-1)) for q, s in w8], graph=True) / layers
+            print(f"{name:8s} {m:5d} {t16 * 1e3:8.1f} {tgemm * 1e3:9.1f} {tquant * 1e3:7.1f} {tfp8 * 1e3:11.1f} "
+                  f"{t16 / tfp8:8.2f}x")
+        del w16, w8
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [16, 64, 128, 256, 512])
