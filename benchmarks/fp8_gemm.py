@@ -1,8 +1,10 @@
 """The decode step's projections in bfloat16 against W8A8 FP8 (issue 31), per matmul, on the GPU.
 
 For each projection of $MODEL's arch (default Qwen3-8B) at M rows: F.linear over bf16 weights, torch._scaled_mm
-over FP8 weights with activations quantized already (the GEMM alone), the activations' quantization alone
-(ops.quantize_rows_to_e4m3), and ops.fp8_matmul (both). Each is timed as the engine runs it: over
+over FP8 weights with activations quantized already (the GEMM alone), the same GEMM by benchmarks/gemm.py's
+Triton kernel on e4m3 operands (its best config, split-K among them; each checked against _scaled_mm), the
+activations' quantization alone (ops.quantize_rows_to_e4m3), and ops.fp8_matmul (quantization and
+_scaled_mm). Each is timed as the engine runs it: over
 num_hidden_layers distinct weights (from HBM, not L2), captured in one CUDA graph, replayed (benchmarks/ops.bench,
 do_bench medians); time per matmul = replay time / layers.
 Usage (GPU): [MODEL=qwen3-0.6b] python3 benchmarks/fp8_gemm.py [M ...]   (default 16 64 128 256 512)
@@ -16,10 +18,30 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ops  # noqa: E402
-from benchmarks.gemm import shapes  # noqa: E402
+from benchmarks.gemm import configs, shapes, triton_linear  # noqa: E402
 from benchmarks.ops import bench  # noqa: E402
 from engine.config import engine_config  # noqa: E402
 from engine.models.loader import model_spec, resolve_model_path  # noqa: E402
+
+
+def triton_fp8(xq, xs, w8, m: int, k: int) -> tuple[float, tuple | None]:
+    """The fastest of benchmarks/gemm.py's configs over the e4m3 operands (ms per matmul, as the others), among
+    those whose result matches _scaled_mm's; (inf, None) if none does."""
+    layers = len(w8)
+    ref = torch._scaled_mm(xq, w8[0][0].t(), scale_a=xs, scale_b=w8[0][1].reshape(1, -1), out_dtype=torch.bfloat16)
+    best = (float("inf"), None)
+    for config in configs(m, k):
+        run = lambda q, s: triton_linear(xq, q, config, (xs.reshape(-1), s.reshape(-1)), torch.bfloat16)  # noqa: E731
+        try:
+            if not torch.allclose(run(*w8[0]).float(), ref.float(), atol=2e-2, rtol=2e-2):
+                print(f"  WRONG M={m} {config}")
+                continue
+            t = bench(lambda: [run(q, s) for q, s in w8], graph=True) / layers
+        except Exception as e:  # noqa: BLE001 (out of shared memory or registers)
+            print(f"  skip {config}: {type(e).__name__}")
+            continue
+        best = min(best, (t, config))
+    return best
 
 
 def main(rows: list[int]) -> None:
@@ -27,7 +49,8 @@ def main(rows: list[int]) -> None:
     arch = model_spec(cfg.model, resolve_model_path(cfg.model))[1]
     layers = arch.num_hidden_layers
     print(f"{cfg.model.name}: per matmul, us (over {layers} distinct weights, one CUDA graph)")
-    print(f"{'proj':8s} {'M':>5s} {'bf16':>8s} {'fp8 gemm':>9s} {'quant':>7s} {'fp8_matmul':>11s} {'speed-up':>9s}")
+    print(f"{'proj':8s} {'M':>5s} {'bf16':>8s} {'fp8 gemm':>9s} {'triton fp8':>11s} {'quant':>7s} {'fp8_matmul':>11s} "
+          f"{'speed-up':>9s}  triton config")
     for name, (n, k) in shapes(arch).items():
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
         w8 = [ops.quantize_rows_to_e4m3(w) for w in w16]
@@ -37,10 +60,11 @@ def main(rows: list[int]) -> None:
             t16 = bench(lambda: [F.linear(x, w) for w in w16], graph=True) / layers
             tgemm = bench(lambda: [torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.reshape(1, -1),
                                                     out_dtype=torch.bfloat16) for q, s in w8], graph=True) / layers
+            ttriton, best = triton_fp8(xq, xs, w8, m, k)
             tquant = bench(lambda: [ops.quantize_rows_to_e4m3(x) for _ in w8], graph=True) / layers
             tfp8 = bench(lambda: [ops.fp8_matmul(x, q, s.reshape(-1)) for q, s in w8], graph=True) / layers
-            print(f"{name:8s} {m:5d} {t16 * 1e3:8.1f} {tgemm * 1e3:9.1f} {tquant * 1e3:7.1f} {tfp8 * 1e3:11.1f} "
-                  f"{t16 / tfp8:8.2f}x")
+            print(f"{name:8s} {m:5d} {t16 * 1e3:8.1f} {tgemm * 1e3:9.1f} {ttriton * 1e3:11.1f} {tquant * 1e3:7.1f} "
+                  f"{tfp8 * 1e3:11.1f} {t16 / tfp8:8.2f}x  {best}", flush=True)
         del w16, w8
         torch.cuda.empty_cache()
 

@@ -25,11 +25,13 @@ from engine.models.loader import model_spec, resolve_model_path  # noqa: E402
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s_xm, s_wn, s_ym,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """y[m, n] = sum_k x[m, k] w[n, k]; program (n tile, m tile, k split). With SPLIT_K > 1 each split
-    writes a float32 partial; the last split of a tile to finish (a ticket per tile) sums them, writes y
-    and resets the ticket, so the kernel is one launch and replays in a graph."""
+def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, sx_ptr, sw_ptr, M, N, K, s_xm, s_wn, s_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   SCALED: tl.constexpr):
+    """y[m, n] = sum_k x[m, k] w[n, k] (SCALED: times sx[m] * sw[n], W8A8's row scales, for e4m3 x and w);
+    program (n tile, m tile, k split). With SPLIT_K > 1 each split writes a float32 partial; the last split
+    of a tile to finish (a ticket per tile) sums them, writes y and resets the ticket, so the kernel is one
+    launch and replays in a graph."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,7 +46,12 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s_xm, s_wn
         w = tl.load(w_rows + (k + rk)[None, :], mask=rn[:, None] < N, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SCALED:
+        sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
+        sw = tl.load(sw_ptr + rn, mask=rn < N, other=0.0)
     if SPLIT_K == 1:
+        if SCALED:
+            acc = acc * sx[:, None] * sw[None, :]
         tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -56,6 +63,8 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s_xm, s_wn
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(part + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if SCALED:
+                total = total * sx[:, None] * sw[None, :]
             tl.store(y_ptr + rm[:, None] * s_ym + rn[None, :], total.to(y_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(count_ptr + tile, 0)
 
@@ -63,18 +72,22 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, s_xm, s_wn
 _COUNTERS: dict = {}
 
 
-def triton_linear(x, w, config):
+def triton_linear(x, w, config, scales=None, out_dtype=None):
+    """x [M, K] @ w[N, K]^T by _linear_kernel; scales: (sx float32 [M], sw float32 [N]) for e4m3 x and w,
+    out_dtype then the result's (default x's)."""
     bm, bn, bk, split, warps, stages = config
     M, K = x.shape
     N = w.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    y = torch.empty(M, N, device=x.device, dtype=out_dtype or x.dtype)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     part = torch.empty(split, M, N, device=x.device, dtype=torch.float32) if split > 1 else y
     count = _COUNTERS.get(x.device)
     if count is None:
         count = _COUNTERS[x.device] = torch.zeros(1 << 16, device=x.device, dtype=torch.int32)
-    _linear_kernel[grid](x, w, y, part, count, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_warps=warps, num_stages=stages)
+    sx, sw = (y, y) if scales is None else (scales[0].contiguous(), scales[1].contiguous())
+    _linear_kernel[grid](x, w, y, part, count, sx, sw, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, SCALED=scales is not None,
+                         num_warps=warps, num_stages=stages)
     return y
 
 
