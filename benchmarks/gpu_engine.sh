@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
-# Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise json
+# Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise json fp8
 # (default: tests nano long topp shared profile). hang: issue 28's top-p job (4,096 random prompts, top_p
 # alone), which hung the GPU before the truncating sampler's rounds were bounded.
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
@@ -10,6 +10,8 @@
 # json: issue 30's job, 1,024 prompts of nano's lengths each constrained to one of 4 JSON schemas, then the
 # same unconstrained, then benchmarks/structured_profile.py; TOKENIZER: the tokenizer they use (default
 # .bench/bpe151k: `python benchmarks/grammar_backends.py --vocab 151643 --site-packages --save .bench/bpe151k`).
+# fp8: issue 31's pair in one call, Qwen3-8B `nano` in bf16 then with model.quantization=fp8, after
+# benchmarks/fp8_gemm.py's per-projection times.
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
 sections=${*:-tests nano long topp shared profile}
@@ -67,6 +69,11 @@ if want json; then
   python3 benchmarks/structured_profile.py ${TOKENIZER:-.bench/bpe151k} 256 4 2>&1 | grep -v INFO | tee "$out/structured_profile.log"
 fi
 want models && for m in llama-3.2-1b qwen2.5-0.5b; do MODEL=$m bench nano_$m job.workload=nano; done
+if want fp8; then
+  python3 benchmarks/fp8_gemm.py 16 128 256 2>&1 | grep -v Warn | tee "$out/fp8_gemm.log"
+  MODEL=qwen3-8b bench nano_8b_bf16 job.workload=nano
+  MODEL=qwen3-8b bench nano_8b_fp8 job.workload=nano model.quantization=fp8
+fi
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }
 want logprobs && bench nano_logprobs job.workload=nano sampling.logprobs=5
 want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"
