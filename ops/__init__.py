@@ -154,7 +154,6 @@ def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, pres
                                               frequency)
 
 
-E4M3_MAX = paged_attention_reference.E4M3_MAX
 FP8_DTYPES = paged_attention_reference.FP8_DTYPES
 
 

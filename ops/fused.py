@@ -258,24 +258,28 @@ def silu_and_mul(x, input_norm=None, bias=None):
 # quantize_rows_to_e4m3: per-row FP8 activations
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _weighted_tile(x_ptr, w_ptr, row, s_x, start, n_cols, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns [start, start + BLOCK) of x's row in float32, times the input weight's (HAS_WEIGHT); 0 past n_cols."""
+    cols = start + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + row * s_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    if HAS_WEIGHT:
+        v = v * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    return cols, v
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, s_x, s_q, E4M3_MAX: tl.constexpr,
                           HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * s_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            v = v * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        _, v = _weighted_tile(x_ptr, w_ptr, row, s_x, start, n_cols, HAS_WEIGHT, BLOCK)
         amax = tl.maximum(amax, tl.abs(v))
     largest = tl.max(amax, axis=0)
     scale = tl.where(largest > 0, largest / E4M3_MAX, 1.0)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * s_x + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            v = v * tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        cols, v = _weighted_tile(x_ptr, w_ptr, row, s_x, start, n_cols, HAS_WEIGHT, BLOCK)
         q = tl.minimum(tl.maximum(v / scale, -E4M3_MAX), E4M3_MAX)
         tl.store(q_ptr + row * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
 
