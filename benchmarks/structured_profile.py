@@ -1,8 +1,9 @@
 """Where a constrained step's extra time goes: the bench's JSON-schema workload (jobs/bench.py,
 job.json_schemas) through the engine at 512 sequences, with the host's phases of each step timed in place
-(time.perf_counter, summed over the run): the schedule, the launch and inside it the masks' part
-(ModelRunner._constrained) and their fill (fill_bitmasks, llguidance's threads), the waits for the
-previous step's tokens; then the resolve. Rows: drawn, filled. On the device (CUDA events around
+(time.perf_counter, summed over the run): the schedule, the launch and inside it the accepts and the fill's
+start (ModelRunner._start_masks), the fill itself (on its worker thread, beside the rest), the wait for it
+and the mask's launch (ModelRunner._masked, when the next step's launch or a read of the tokens draws), the
+waits for the previous step's tokens; then the resolve. Rows: drawn, filled. On the device (CUDA events around
 ops.apply_token_bitmask): the kernel. Then, outside the engine, the fill and the accepts (one by one,
 against llguidance's parallel consume_token_par) at 32, 128 and 512 rows; and the upload alone: a pinned
 [rows, words] int32 bitmask copied to the device, timed with events.
@@ -53,21 +54,25 @@ def main(tokenizer: str, num_prompts: int, schemas: int, overrides: list[str]) -
     engine._resolve = timed(host, "resolve", engine._resolve)
     engine._tokens = timed(host, "waits for tokens", engine._tokens)
     runner.launch = timed(host, "launch", runner.launch)
-    runner._constrained = timed(host, "launch: masks", runner._constrained)
-    plain_fill = model_runner.fill_bitmasks
+    runner._start_masks = timed(host, "launch: accepts, fill started", runner._start_masks)
+    runner._masked = timed(host, "draw: waits for the fill, mask launched", runner._masked)
+    plain_fill = model_runner.start_fill_bitmasks
 
     def fill(pairs, bitmask):
         rows["filled"] += bitmask.shape[0]
-        plain_fill(pairs, bitmask)
+        start = time.perf_counter()
+        future = plain_fill(pairs, bitmask)
+        future.add_done_callback(lambda _: host.update({"fill (worker thread)": time.perf_counter() - start}))
+        return future
 
-    model_runner.fill_bitmasks = timed(host, "launch: fill", fill)
-    plain_start = model_runner.InFlight.start
+    model_runner.start_fill_bitmasks = fill
+    plain_sample = runner._sample
 
-    def start_step(tokens, seqs, *args, **kwargs):
-        rows["drawn"] += len(seqs)
-        return plain_start(tokens, seqs, *args, **kwargs)
+    def sample(step_inputs, params, logits, *args):
+        rows["drawn"] += logits.shape[0]
+        return plain_sample(step_inputs, params, logits, *args)
 
-    model_runner.InFlight.start = start_step
+    runner._sample = sample
     plain_apply = ops.apply_token_bitmask
 
     def apply(*args, **kwargs):

@@ -5,7 +5,9 @@ the next step is prepared (engine/sequence.py). A matcher must have read every o
 mask of the next draw is computed, so it reads lazily: `advance(outputs, end)` feeds it the outputs it
 has not read yet; the model runner calls it with the previous step's token once the device has it, and
 the engine's resolve again (a no-op for tokens read already). Invariant: the first `read` outputs' ids
-are known to the host, and the matcher has consumed exactly the constrained ones among them.
+are known to the host, and the matcher has consumed exactly the constrained ones among them; `finished`
+is the matcher's state after them, taken when they were read, so that it can be asked while a worker
+thread fills the matcher's next mask (engine/structured.py's start_fill_bitmasks).
 
 With a reasoning parser (engine/reasoning.py), the constraint starts after the reasoning: outputs up to and
 including the reasoning's end token are read but not fed to the matcher, and no mask applies before.
@@ -21,20 +23,24 @@ class Constraint:
         self.active = active
         self.start_token_id = start_token_id
         self.read = 0  # outputs read
+        self._finished = active and matcher.is_finished
 
     def advance(self, outputs: list[int], end: int, newest: int | None = None) -> None:
         """Read outputs[read:end] in place (no copy of the list: it grows with every token); newest: the id
         of outputs[end - 1] when the list still holds its placeholder (drawn in the step in flight)."""
+        if end <= self.read:
+            return  # read already: the matcher may be a fill's now
         for i in range(self.read, end):
             token = newest if newest is not None and i == end - 1 else outputs[i]
             if self.active:
                 self.matcher.accept(token)  # a token it refuses stops it (is_finished): the mask leaves only EOS
             else:
                 self.active = token == self.start_token_id
-        self.read = max(self.read, end)
+        self.read = end
+        self._finished = self.active and self.matcher.is_finished
 
     @property
     def finished(self) -> bool:
-        """Nothing but EOS can follow (the text is complete and cannot go on, or a token was refused): the
-        sequence ends there (finish_reason stop), without drawing the EOS."""
-        return self.active and self.matcher.is_finished
+        """Nothing but EOS can follow the outputs read (the text is complete and cannot go on, or a token
+        was refused): the sequence ends there (finish_reason stop), without drawing the EOS."""
+        return self._finished

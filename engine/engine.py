@@ -110,7 +110,7 @@ class LLMEngine:
         graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
         piece_tokens = max_num_batched_tokens if piecewise_graphs_on(cfg.model, self.device) else 0
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
-                                  self.eos_token_ids, cascade, piece_tokens)
+                                  self.eos_token_ids, cascade, piece_tokens, cfg.scheduler.step_timeout_s)
         if self.runner.pieces is not None:
             log.info("piecewise graphs: %d token counts up to %d, %d pieces each, captured in %.1f s",
                      len(self.runner.pieces.buckets), piece_tokens, self.runner.pieces.num_pieces,
@@ -274,7 +274,7 @@ class LLMEngine:
         """The step's sampled tokens, once the device has them; StepTimeout (its inputs saved in run_dir)
         if that takes longer than the watchdog's deadline."""
         deadline = step_deadline_s(self.cfg.scheduler.step_timeout_s, self._slowest_step_s)
-        if not wait_until(step.done, deadline):
+        if not wait_until(step.drawn().done, deadline):
             raise stalled(step.inputs, deadline, self.run_dir)
         return step.host_tokens.tolist()
 

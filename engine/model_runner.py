@@ -11,8 +11,10 @@ Only the last position of each sequence that draws a token gets logits, and the 
 chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The samples forked from a
 sequence in a step draw from its logits row, each with its own seed.
 """
+import concurrent.futures
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import attrgetter
 
@@ -30,8 +32,8 @@ from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHi
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
 from engine.staging import upload, upload_rows
-from engine.structured import bitmask_words, fill_bitmasks
-from engine.watchdog import StepInputs
+from engine.structured import bitmask_words, start_fill_bitmasks
+from engine.watchdog import StepInputs, StepTimeout
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
 _SEQ_ID, _SAMPLING = attrgetter("seq_id"), attrgetter("sampling")
@@ -40,8 +42,10 @@ _SEQ_ID, _SAMPLING = attrgetter("seq_id"), attrgetter("sampling")
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
                  device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0, eos_token_ids=(),
-                 cascade: CascadePolicy | None = None, max_piece_tokens: int = 0):
+                 cascade: CascadePolicy | None = None, max_piece_tokens: int = 0, fill_timeout_s: float | None = None):
+        """fill_timeout_s: how long a step's grammar masks may take to fill (None: no limit)."""
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
+        self.fill_timeout_s = fill_timeout_s
         self.cascade = cascade
         self.cascade_rows = 0  # decode rows of the last prepared step that read a shared prefix
         self.eos_token_ids = tuple(eos_token_ids)  # banned before min_tokens
@@ -106,14 +110,16 @@ class ModelRunner:
                previous_tokens: Callable[["InFlight"], list[int]]) -> "InFlight | None":
         """Enqueue the batch's forward and sampling without waiting for the device; None when no sequence
         draws a token in this step. Tokens that are still placeholders on the host come from the previous
-        step's device output. step: the engine's number for it (the watchdog's reports); previous_tokens:
-        waits for a step's tokens on the host (the engine's, under its watchdog), which the masks of
-        constrained sequences need."""
+        step's device output (its draw enqueued first, if it waited for masks). step: the engine's number
+        for it (the watchdog's reports); previous_tokens: waits for a step's tokens on the host (the
+        engine's, under its watchdog), which the masks of constrained sequences need. A step with masks
+        returns with its draw still to enqueue (InFlight.drawn): they are filled on a worker thread while
+        the host resolves the step before and prepares the next."""
         tables, seq_lens = self.block_manager.block_tables_and_seq_lens(list(map(_SEQ_ID, batch.seqs)))
         starts = seq_lens - np.array(batch.num_new_tokens, dtype=np.int64)  # int64 [S]
         input_ids, positions, meta, sampled_rows = self.prepare(batch, starts, tables, seq_lens)
         if previous is not None:
-            self._fill_placeholders(batch, input_ids, previous)
+            self._fill_placeholders(batch, input_ids, previous.drawn())
         hidden = self.forward(input_ids, positions, meta)
         drawing, logit_rows = self._fork(list(compress(batch.seqs, batch.draws)), batch.forks)
         segments = self._prompt_segments(batch, starts, len(drawing))
@@ -127,27 +133,38 @@ class ModelRunner:
         params = SamplingTensors.build(list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size,
                                        self.device, self.eos_token_ids, penalised)
         processed = processed_logits(logits, params)
+        sample = functools.partial(self._sample, functools.partial(StepInputs, step, batch, starts, drawing),
+                                   params, logits, hidden, segments)
+        masks = None
         if any(s.constraint is not None for s in drawing):
-            processed = self._constrained(processed, logits, drawing, output_index, previous, previous_tokens)
-        inputs = StepInputs(step, batch, starts, drawing, processed, params, recorded_event(self.device))
+            masks = self._start_masks(drawing, output_index, previous, previous_tokens)
+        if masks is None:
+            return InFlight(drawing, output_index, functools.partial(sample, processed)).drawn()
+        return InFlight(drawing, output_index, lambda: sample(self._masked(processed, logits, step, *masks)))
+
+    def _sample(self, step_inputs: Callable[..., StepInputs], params: SamplingTensors, logits: torch.Tensor,
+                hidden: torch.Tensor, segments: list[PromptSegment], processed: torch.Tensor
+                ) -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
+        """Enqueue the draw from the processed logits, the penalties' record of it and the logprobs:
+        (tokens int64 [B] on the device, the watchdog's inputs, the logprobs or None)."""
+        inputs = step_inputs(processed, params, recorded_event(self.device))
         tokens = draw(processed, params, self.sampler_fallbacks)
         if params.penalties is not None:
             self.history.record(params.penalties, tokens)
         asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]
         k = max((a for a in asked if a is not None), default=None)
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
-        return InFlight.start(tokens, drawing, output_index, inputs, logprobs)
+        return tokens, inputs, logprobs
 
-    def _constrained(self, processed: torch.Tensor, logits: torch.Tensor, drawing: list[Sequence],
-                     output_index: list[int], previous: "InFlight | None",
-                     previous_tokens: Callable[["InFlight"], list[int]]) -> torch.Tensor:
-        """The processed logits with the grammar masks of the constrained rows applied (a copy when they are
-        the logits themselves, whose logprobs stay the raw distribution's). Each matcher first reads the
-        outputs it has not read, one by one (llguidance's parallel consume_token_par was slower at every
-        batch size on the H200's host: benchmarks/NOTES.md); the newest may be the previous step's, waited
-        for here: this step's forward is enqueued already, so the device runs it while the host fills the
-        masks. The masks go up in one copy from pinned memory (the caching host allocator keeps the buffer
-        until the copy is done) and one kernel applies them to the constrained rows only."""
+    def _start_masks(self, drawing: list[Sequence], output_index: list[int], previous: "InFlight | None",
+                     previous_tokens: Callable[["InFlight"], list[int]]
+                     ) -> "tuple[concurrent.futures.Future, torch.Tensor, torch.Tensor] | None":
+        """Start filling the grammar masks of the constrained rows (None when none applies yet): the fill,
+        its bitmask int32 [R, W] (pinned on CUDA) and the logits rows it masks (int64 [R] on the device).
+        Each matcher first reads the outputs it has not read, one by one (llguidance's parallel
+        consume_token_par was slower at every batch size on the H200's host: benchmarks/NOTES.md); the
+        newest may be the previous step's, waited for here: this step's forward is enqueued already, so
+        the device runs it while the host fills the masks."""
         known = None
         rows = [row for row, seq in enumerate(drawing) if seq.constraint is not None]
         for row in rows:
@@ -158,11 +175,23 @@ class ModelRunner:
             seq.constraint.advance(seq.output_token_ids, end, newest)
         matchers = [(drawing[row].constraint.matcher, row) for row in rows if drawing[row].constraint.active]
         if not matchers:
-            return processed
+            return None
         bitmask = torch.empty((len(matchers), bitmask_words(matchers[0][0].vocab_size)), dtype=torch.int32,
                               pin_memory=self.device.type == "cuda")
-        fill_bitmasks(((matcher, i) for i, (matcher, _) in enumerate(matchers)), bitmask)
-        masked_rows = self._to_device(np.fromiter((row for _, row in matchers), np.int64, len(matchers)))
+        fill = start_fill_bitmasks(((matcher, i) for i, (matcher, _) in enumerate(matchers)), bitmask)
+        return fill, bitmask, self._to_device(np.fromiter((row for _, row in matchers), np.int64, len(matchers)))
+
+    def _masked(self, processed: torch.Tensor, logits: torch.Tensor, step: int, fill: "concurrent.futures.Future",
+                bitmask: torch.Tensor, masked_rows: torch.Tensor) -> torch.Tensor:
+        """The processed logits with the masks applied once filled (a copy when they are the logits
+        themselves, whose logprobs stay the raw distribution's); StepTimeout if the fill takes longer
+        than fill_timeout_s. The masks go up in one copy from pinned memory (the caching host allocator
+        keeps the buffer until the copy is done) and one kernel applies them to the constrained rows only."""
+        try:
+            fill.result(timeout=self.fill_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise StepTimeout(f"step {step}: the grammar masks of its {bitmask.shape[0]} constrained rows were "
+                              f"not filled within {self.fill_timeout_s} s (scheduler.step_timeout_s)") from None
         processed = processed.clone() if processed is logits else processed
         return ops.apply_token_bitmask(processed, bitmask.to(self.device, non_blocking=True), masked_rows)
 
@@ -233,23 +262,30 @@ def longest_first(seq_lens: np.ndarray) -> np.ndarray:
 
 @dataclass
 class InFlight:
-    """A launched step: the sequences that drew a token in it, and where those tokens are."""
+    """A launched step: the sequences that draw a token in it, and where those tokens are once drawn()."""
 
-    seqs: list[Sequence]  # seqs[i] drew device_tokens[i]
+    seqs: list[Sequence]  # seqs[i] draws device_tokens[i]
     output_index: list[int]  # where each sequence's token goes in its output_token_ids
-    rows: dict[int, int]  # seq_id -> row of device_tokens
-    device_tokens: torch.Tensor  # int64 [len(seqs)]
-    host_tokens: torch.Tensor  # valid once done()
-    inputs: StepInputs
-    logprobs: StepLogprobs | None  # its host copy is enqueued before `copied` is recorded
-    copied: "torch.cuda.Event | None"
+    draw: "Callable[[], tuple[torch.Tensor, StepInputs, StepLogprobs | None]] | None"  # None once enqueued
+    rows: dict[int, int] = field(init=False)  # seq_id -> row of device_tokens
+    device_tokens: torch.Tensor | None = None  # int64 [len(seqs)], once drawn
+    host_tokens: torch.Tensor | None = None  # valid once done()
+    inputs: StepInputs | None = None
+    logprobs: StepLogprobs | None = None  # its host copy is enqueued before `copied` is recorded
+    copied: "torch.cuda.Event | None" = None
 
-    @classmethod
-    def start(cls, device_tokens: torch.Tensor, seqs: list[Sequence], output_index: list[int], inputs: StepInputs,
-              logprobs: StepLogprobs | None = None) -> "InFlight":
-        host_tokens = to_host(device_tokens)
-        return cls(seqs, output_index, dict(zip(map(_SEQ_ID, seqs), range(len(seqs)))),
-                   device_tokens, host_tokens, inputs, logprobs, recorded_event(device_tokens.device))
+    def __post_init__(self):
+        self.rows = dict(zip(map(_SEQ_ID, self.seqs), range(len(self.seqs))))
+
+    def drawn(self) -> "InFlight":
+        """This step with its draw enqueued, and the copy of its tokens to the host: a step with masks
+        enqueues it once they are filled, before the next step's forward (which reads its tokens) or when
+        its tokens are read, whichever comes first."""
+        if self.draw is not None:
+            draw, self.draw = self.draw, None
+            self.device_tokens, self.inputs, self.logprobs = draw()
+            self.host_tokens, self.copied = to_host(self.device_tokens), recorded_event(self.device_tokens.device)
+        return self
 
     def done(self) -> bool:
         """Whether the device has computed the step and copied its tokens (and logprobs) to the host."""

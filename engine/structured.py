@@ -8,7 +8,8 @@ Three pieces, in the order the engine meets them:
   one per distinct StructuredOutputsParams.key); new_matcher() waits for it and gives the sequence its
   own GrammarMatcher, a copy of the compiled start state.
 - Per step: a bitmask (allocate_bitmask's shape), GrammarMatcher.fill_bitmask or fill_bitmasks (parallel)
-  on the host, then ops.apply_token_bitmask on the logits' device; after the draw, accept(token).
+  on the host, or start_fill_bitmasks (the same on a worker thread, while the caller goes on), then
+  ops.apply_token_bitmask on the logits' device; after the draw, accept(token).
 
 The bitmask: int32 [rows, ceil(vocab / 32)]; token t is allowed iff bit t % 32 of word t // 32 is 1
 (llguidance's layout). Ids the tokenizer does not have (a model's padded vocabulary) are never
@@ -19,6 +20,7 @@ the text is incomplete is rejected.
 import concurrent.futures
 import functools
 import json
+import queue
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -249,10 +251,58 @@ def _executor() -> llguidance.LLExecutor:
 def fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor) -> None:
     """fill_bitmask of every (matcher, row) pair, in parallel on llguidance's threads, without the GIL.
     Rows must be distinct; rows not named keep their values."""
+    _fill_call(matchers_rows, bitmask)()
+
+
+def start_fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor
+                        ) -> concurrent.futures.Future:
+    """fill_bitmasks on a worker thread; returns once the fill holds the matchers, without the GIL, so the
+    caller runs on beside it (the Future's result() waits for it). Until then the matchers are the fill's:
+    reading one from another thread (is_finished, error) raises "Already mutably borrowed"."""
+    return _fill_thread().start(_fill_call(matchers_rows, bitmask))
+
+
+def _fill_call(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor):
+    """The library's call that fills bitmask's rows for the pairs, checked and ready to make."""
     pairs = [(matcher._matcher, row) for matcher, row in matchers_rows]
     rows, width = _checked(bitmask).shape
-    if pairs:
-        _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), 4 * width, rows)
+    return functools.partial(_executor().unsafe_compute_mask_ptr, pairs, bitmask.data_ptr(), 4 * width, rows) \
+        if pairs else lambda: None
+
+
+class _FillThread:
+    """One daemon thread that makes fills one after another: a fill that never ends (a fault in the
+    library) leaves the step to the caller's timeout and does not hold the process at exit, as a
+    ThreadPoolExecutor's worker would."""
+
+    def __init__(self):
+        self._fills = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="mask-fill", daemon=True).start()
+
+    def start(self, fill) -> concurrent.futures.Future:
+        """fill() on the thread; returns once it has begun (the caller wakes as the library releases the
+        GIL, rather than after the interpreter's switch interval)."""
+        future, started = concurrent.futures.Future(), threading.Event()
+        self._fills.put((fill, future, started))
+        started.wait()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            fill, future, started = self._fills.get()
+            future.set_running_or_notify_cancel()
+            started.set()
+            try:
+                fill()
+            except BaseException as err:  # noqa: BLE001 (handed to the caller, who raises it)
+                future.set_exception(err)
+            else:
+                future.set_result(None)
+
+
+@functools.cache
+def _fill_thread() -> _FillThread:
+    return _FillThread()
 
 
 def _checked(bitmask: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import ops
-from engine.structured import GrammarCompiler, StructuredOutputsParams, allocate_bitmask, fill_bitmasks
+from engine.structured import (GrammarCompiler, StructuredOutputsParams, allocate_bitmask, fill_bitmasks,
+                               start_fill_bitmasks)
 from engine.tokenizer import byte_level_tokenizer
 from test_fused import DEVICE
 
@@ -187,13 +188,15 @@ def choice_oracle(prefix: bytes) -> set[int]:
     return allowed | ({EOS} if prefix in options else set())
 
 
-def test_choice_masks_match_the_oracle(compiler):
+@pytest.mark.parametrize("fill", [fill_bitmasks, lambda pairs, bitmask: start_fill_bitmasks(pairs, bitmask).result()],
+                         ids=["here", "on a worker thread"])
+def test_choice_masks_match_the_oracle(compiler, fill):
     params = StructuredOutputsParams(choice=list(CHOICES))
     prefixes = sorted({c.encode()[:k] for c in CHOICES for k in range(len(c.encode()) + 1)})
     matchers = [matcher_after(compiler, params, prefix) for prefix in prefixes]
     rows = random.Random(0).sample(range(len(prefixes)), len(prefixes))  # rows in another order than the list
     bitmask = allocate_bitmask(len(prefixes), compiler.vocab_size)
-    fill_bitmasks(zip(matchers, rows), bitmask)
+    fill(zip(matchers, rows), bitmask)
     for prefix, matcher, row in zip(prefixes, matchers, rows):
         assert allowed_ids(bitmask, row) == choice_oracle(prefix), prefix
         extendable = any(o.startswith(prefix) and o != prefix for o in (c.encode() for c in CHOICES))

@@ -2,6 +2,7 @@
 their own: transformers' generate on the same checkpoint with a logits processor written here on the grammar
 library directly (greedy, float32, token for token); jsonschema on every JSON output that finished; and the
 job's error rows for grammars that cannot compile."""
+import concurrent.futures
 import json
 
 import jsonschema
@@ -15,7 +16,9 @@ import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine import model_runner
 from engine.errors import ConfigError, RequestError
+from engine.watchdog import StepTimeout
 from jobs.generate import generate_job
 
 MAX_TOKENS = 40
@@ -190,3 +193,22 @@ def test_a_stop_string_ends_a_constrained_output_first(llm):
     sample = out.outputs[0]
     assert (sample.text, sample.finish_reason, sample.stop_reason) == ("ab", "stop", "c")
     assert llm.tokenizer.decode(sample.token_ids) == "abc"
+
+
+def test_a_fill_that_does_not_end_stops_the_run_naming_the_step(qwen3_checkpoint, monkeypatch):
+    """The masks fill on a worker thread while the host goes on; a fill that never ends (its Future never
+    done) stops the run within scheduler.step_timeout_s, naming the step and its constrained rows."""
+    path, _ = qwen3_checkpoint
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, step_timeout_s=0.2)
+    fills, start_fill = [], model_runner.start_fill_bitmasks
+
+    def fill_that_hangs_at_the_third(pairs, bitmask):
+        fills.append(bitmask.shape[0])
+        return concurrent.futures.Future() if len(fills) == 3 else start_fill(pairs, bitmask)
+
+    monkeypatch.setattr(model_runner, "start_fill_bitmasks", fill_that_hangs_at_the_third)
+    params = SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{20,30}"))
+    with pytest.raises(StepTimeout, match=r"^step \d+: the grammar masks of its 2 constrained rows were not "
+                                          r"filled within 0.2 s \(scheduler.step_timeout_s\)$"):
+        llm.generate([[5, 6, 7], [8, 9]], params)
+    assert fills == [2, 2, 2]
