@@ -32,10 +32,11 @@ from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHi
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
 from engine.staging import upload, upload_rows
-from engine.structured import bitmask_words, start_fill_bitmasks
+from engine.structured import FILL_THREADS, bitmask_words, start_fill_bitmasks
 from engine.watchdog import StepInputs, StepTimeout
 
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
+FILL_CHUNK_ROWS = 128  # a step's masks fill in chunks of at least this many rows, one chunk per fill thread
 _SEQ_ID, _SAMPLING = attrgetter("seq_id"), attrgetter("sampling")
 
 
@@ -158,37 +159,47 @@ class ModelRunner:
 
     def _start_masks(self, drawing: list[Sequence], output_index: list[int], previous: "InFlight | None",
                      previous_tokens: Callable[["InFlight"], list[int]]
-                     ) -> "tuple[concurrent.futures.Future, torch.Tensor, torch.Tensor] | None":
-        """Start filling the grammar masks of the constrained rows (None when none applies yet): the fill,
-        its bitmask int32 [R, W] (pinned on CUDA) and the logits rows it masks (int64 [R] on the device).
+                     ) -> "tuple[list[concurrent.futures.Future], torch.Tensor, torch.Tensor] | None":
+        """Start filling the grammar masks of the constrained rows (None when none applies yet): the fills,
+        their bitmask int32 [R, W] (pinned on CUDA) and the logits rows it masks (int64 [R] on the device).
         Each matcher first reads the outputs it has not read, one by one (llguidance's parallel
         consume_token_par was slower at every batch size on the H200's host: benchmarks/NOTES.md); the
         newest may be the previous step's, waited for here: this step's forward is enqueued already, so
-        the device runs it while the host fills the masks."""
-        known = None
+        the device runs it while the host fills the masks. The rows go in at most FILL_THREADS chunks of
+        FILL_CHUNK_ROWS or more, each filled as soon as its matchers have read, while the next chunk's read."""
         rows = [row for row, seq in enumerate(drawing) if seq.constraint is not None]
-        for row in rows:
-            seq, end, newest = drawing[row], output_index[row], None
-            if end and seq.output_token_ids[end - 1] == PLACEHOLDER:  # drawn in the previous step
-                known = previous_tokens(previous) if known is None else known
-                newest = known[previous.rows[seq.seq_id]]
-            seq.constraint.advance(seq.output_token_ids, end, newest)
-        matchers = [(drawing[row].constraint.matcher, row) for row in rows if drawing[row].constraint.active]
-        if not matchers:
+        known, fills, masked, bitmask = None, [], [], None
+        chunk = max(FILL_CHUNK_ROWS, -(-len(rows) // FILL_THREADS))
+        for start in range(0, len(rows), chunk):
+            pairs = []
+            for row in rows[start:start + chunk]:
+                seq, end, newest = drawing[row], output_index[row], None
+                if end and seq.output_token_ids[end - 1] == PLACEHOLDER:  # drawn in the previous step
+                    known = previous_tokens(previous) if known is None else known
+                    newest = known[previous.rows[seq.seq_id]]
+                seq.constraint.advance(seq.output_token_ids, end, newest)
+                if seq.constraint.active:
+                    pairs.append((seq.constraint.matcher, len(masked)))
+                    masked.append(row)
+            if pairs:
+                if bitmask is None:
+                    bitmask = torch.empty((len(rows) - start, bitmask_words(pairs[0][0].vocab_size)),
+                                          dtype=torch.int32, pin_memory=self.device.type == "cuda")
+                fills.append(start_fill_bitmasks(pairs, bitmask))
+        if not fills:
             return None
-        bitmask = torch.empty((len(matchers), bitmask_words(matchers[0][0].vocab_size)), dtype=torch.int32,
-                              pin_memory=self.device.type == "cuda")
-        fill = start_fill_bitmasks(((matcher, i) for i, (matcher, _) in enumerate(matchers)), bitmask)
-        return fill, bitmask, self._to_device(np.fromiter((row for _, row in matchers), np.int64, len(matchers)))
+        return fills, bitmask[:len(masked)], self._to_device(np.array(masked, dtype=np.int64))
 
-    def _masked(self, processed: torch.Tensor, logits: torch.Tensor, step: int, fill: "concurrent.futures.Future",
-                bitmask: torch.Tensor, masked_rows: torch.Tensor) -> torch.Tensor:
+    def _masked(self, processed: torch.Tensor, logits: torch.Tensor, step: int,
+                fills: "list[concurrent.futures.Future]", bitmask: torch.Tensor, masked_rows: torch.Tensor
+                ) -> torch.Tensor:
         """The processed logits with the masks applied once filled (a copy when they are the logits
-        themselves, whose logprobs stay the raw distribution's); StepTimeout if the fill takes longer
+        themselves, whose logprobs stay the raw distribution's); StepTimeout if the fills take longer
         than fill_timeout_s. The masks go up in one copy from pinned memory (the caching host allocator
         keeps the buffer until the copy is done) and one kernel applies them to the constrained rows only."""
         try:
-            fill.result(timeout=self.fill_timeout_s)
+            for fill in concurrent.futures.as_completed(fills, timeout=self.fill_timeout_s):
+                fill.result()
         except concurrent.futures.TimeoutError:
             raise StepTimeout(f"step {step}: the grammar masks of its {bitmask.shape[0]} constrained rows were "
                               f"not filled within {self.fill_timeout_s} s (scheduler.step_timeout_s)") from None

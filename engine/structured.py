@@ -19,10 +19,11 @@ the text is incomplete is rejected.
 """
 import concurrent.futures
 import functools
+import itertools
 import json
 import queue
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import llguidance
@@ -36,6 +37,7 @@ ANY_JSON_OBJECT = '{"type":"object"}'  # the schema json_object compiles
 # No whitespace between JSON tokens but llguidance's one separator: a model that may put any whitespace
 # there can, and a small one does, fill max_tokens with it (a random-weights Qwen3 did in every row).
 JSON_DEFAULTS = {"whitespace_flexible": False}
+FILL_THREADS = 4  # start_fill_bitmasks' fills under way at once
 
 
 @dataclass(frozen=True)
@@ -258,8 +260,9 @@ def start_fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bit
                         ) -> concurrent.futures.Future:
     """fill_bitmasks on a worker thread; returns once the fill holds the matchers, without the GIL, so the
     caller runs on beside it (the Future's result() waits for it). Until then the matchers are the fill's:
-    reading one from another thread (is_finished, error) raises "Already mutably borrowed"."""
-    return _fill_thread().start(_fill_call(matchers_rows, bitmask))
+    reading one from another thread (is_finished, error) raises "Already mutably borrowed". Up to
+    FILL_THREADS fills (of distinct matchers) may be under way at once; one more waits for the oldest."""
+    return next(_fill_threads()).start(_fill_call(matchers_rows, bitmask))
 
 
 def _fill_call(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor):
@@ -301,8 +304,10 @@ class _FillThread:
 
 
 @functools.cache
-def _fill_thread() -> _FillThread:
-    return _FillThread()
+def _fill_threads() -> Iterator[_FillThread]:
+    """FILL_THREADS threads in turn: up to that many fills run at once (on _executor's threads), each on
+    matchers of its own."""
+    return itertools.cycle([_FillThread() for _ in range(FILL_THREADS)])
 
 
 def _checked(bitmask: torch.Tensor) -> torch.Tensor:

@@ -68,7 +68,10 @@ def hf_constrained(hf_model, tokenizer, prompt: list[int], grammar: str) -> list
     (StructuredOutputsParams(choice=["yes", "no", "maybe not"]), llguidance.LLMatcher.grammar_from_regex("(yes|no|maybe not)")),
     (StructuredOutputsParams(regex=r"[0-9]{1,4}(\.[0-9]{2})?"), llguidance.LLMatcher.grammar_from_regex(r"[0-9]{1,4}(\.[0-9]{2})?")),
 ])
-def test_greedy_constrained_outputs_match_transformers(llm, qwen3_checkpoint, params, grammar):
+@pytest.mark.parametrize("chunk_rows", [model_runner.FILL_CHUNK_ROWS, 1], ids=["one fill", "a fill a row"])
+def test_greedy_constrained_outputs_match_transformers(llm, qwen3_checkpoint, params, grammar, chunk_rows, monkeypatch):
+    """With the rows' masks filled at once, or each row's read and filled while the next row's matcher reads."""
+    monkeypatch.setattr(model_runner, "FILL_CHUNK_ROWS", chunk_rows)
     path, hf_model = qwen3_checkpoint
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [[5, 17, 99, 3], [120, 7], list(range(30, 52))]
