@@ -23,6 +23,7 @@ from engine.reasoning import reasoning_parser as make_reasoning_parser
 from engine.sampler import MAX_LOGPROBS, compile_samplers
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
+from engine.startup import Laps, process_age_s
 from engine.stats import StatsRecorder, snapshot
 from engine.structured import GrammarCompiler, StructuredOutputsParams
 from engine.tokenizer import load_tokenizer
@@ -74,7 +75,11 @@ class LLMEngine:
     def __init__(self, cfg, run_dir: Path | None = None, reasoning_parser: str | None = None):
         """run_dir: where a stalled step's inputs are saved (engine/watchdog.py), None: a temporary directory;
         reasoning_parser: engine/reasoning.py's name of the model's reasoning format, whose end is where a
-        structured-output constraint starts."""
+        structured-output constraint starts. startup_s: where its start-up went, in seconds: before_engine,
+        the process's age when it began (None where unknown: engine/startup.py), then its phases in order
+        (model: build and weights; tokenizer; kv_pool: sizing and allocation; graphs: the runner's CUDA
+        graph captures; warm_up), which add up to its construction."""
+        laps, started_s = Laps(), process_age_s()
         self.cfg = cfg
         self.run_dir = run_dir
         self.max_model_len = cfg.model.max_model_len
@@ -84,11 +89,13 @@ class LLMEngine:
         self.eos_token_ids = stop_ids(config_eos, self.generation_config)
         if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
             torch.set_num_threads(cpu_threads(cfg.model, self.model.arch.hidden_size))
+        laps.lap("model")
         self.tokenizer = load_tokenizer(cfg.model)
         if cfg.model.tokenizer and len(self.tokenizer) > self.model.arch.vocab_size:
             raise ConfigError(f"model.tokenizer: its {len(self.tokenizer)} tokens do not fit the model's vocabulary "
                               f"of {self.model.arch.vocab_size}")
         self.reasoning_parser = make_reasoning_parser(reasoning_parser, self.tokenizer) if reasoning_parser else None
+        laps.lap("tokenizer")
         self.block_size = cfg.cache.block_size
         self.prefix_caching = cfg.cache.enable_prefix_caching
         max_num_seqs, max_num_batched_tokens = scheduler_limits(cfg.scheduler, self.device)
@@ -105,6 +112,7 @@ class LLMEngine:
                  num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.bytes / 1e9,
                  str(kv_dtype).removeprefix("torch."), num_blocks / max_blocks_per_seq, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, self.block_size, self.prefix_caching)
+        laps.lap("kv_pool")
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
@@ -120,9 +128,12 @@ class LLMEngine:
         self._in_flight: InFlight | None = None
         self._slowest_step_s = 0.0
         self._fallbacks_reported = 0
+        laps.lap("graphs")
         if self.device.type == "cuda":
             self._warm_up()
         gc.collect()  # start-up's objects leave the young generations now, not in the first run's intake
+        laps.lap("warm_up")
+        self.startup_s = {"before_engine": started_s, **laps.phases}
 
     def _warm_up(self) -> None:
         """A small run of the real loop before the timed one: a prefill step at the full token budget,

@@ -136,6 +136,12 @@ class LLM:
             kv_budget_bytes=engine.kv_cache.bytes, max_model_len=engine.max_model_len,
             max_num_seqs=engine.scheduler.max_num_seqs, max_num_batched_tokens=engine.scheduler.max_num_batched_tokens)
 
+    @property
+    def startup_s(self) -> dict:
+        """Where the engine's start-up went, in seconds (LLMEngine.startup_s: before_engine, model, tokenizer,
+        kv_pool, graphs, warm_up)."""
+        return dict(self.engine.startup_s)
+
     def stats(self, since_step: int = 0) -> RunStats:
         """The steps from `since_step` on and the figures of the whole run (waits for the device)."""
         engine = self.engine

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jobs.common import Progress
-from jobs.processor import Processor, Rows, Run, new_llm, run_of
+from jobs.processor import Processor, Rows, Run, new_llm, run_of, startup_columns
 
 
 def execute(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callable[[list[dict]], int],
@@ -32,6 +32,7 @@ def run_local(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callab
     """executor=local: one engine in this process; rows are pulled as its stream has room for them."""
     llm = new_llm(cfg, processor, run_dir)
     processor.setup(llm)
+    startup = startup_columns(llm.startup_s)
     requests = (processor.preprocess(key, fields) for key, fields in rows)
     progress = Progress(num_rows)
     try:
@@ -40,6 +41,7 @@ def run_local(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callab
     finally:
         progress.close()
     run = run_of(llm)
+    run.summary.update(startup)
     processor.finish(llm)
     llm.close()
     return run

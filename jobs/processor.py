@@ -7,6 +7,7 @@ its first row (setup) and do after its last (finish). Rows are (key, fields) pai
 in the job (an input row number, a request number); every output row of postprocess carries its request's
 key in "row".
 """
+import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -14,7 +15,10 @@ from typing import Any
 import pyarrow as pa
 
 from engine.llm import LLM, Request, RequestOutput
+from engine.startup import process_age_s
 from jobs.config import engine_config_of
+
+log = logging.getLogger("minipaged")
 
 Rows = Iterable[tuple[int, Any]]
 
@@ -53,6 +57,21 @@ class Run:
 def new_llm(cfg, processor: Processor, run_dir=None) -> LLM:
     """The LLM an executor runs `processor` on, from the composed config."""
     return LLM.from_config(engine_config_of(cfg), run_dir, processor.reasoning_parser)
+
+
+def startup_columns(engine_startup_s: dict) -> dict:
+    """The summary's start-up columns, taken (and logged) as the run's loop begins: startup_s, the process's
+    age then, split into startup_<phase>_s: before_engine (the interpreter, imports, the config and the
+    job's set-up before the engine), the engine's phases (LLM.startup_s), and after_engine (the job's set-up
+    after it). Only the engine's phases where the process's age is unknown (engine/startup.py)."""
+    phases, age = dict(engine_startup_s), process_age_s()
+    if age is None or phases["before_engine"] is None:
+        phases.pop("before_engine")
+        return {f"startup_{name}_s": seconds for name, seconds in phases.items()}
+    phases["after_engine"] = age - sum(phases.values())
+    log.info("start-up %.1f s before the first step: %s", age,
+             ", ".join(f"{name.replace('_', ' ')} {seconds:.2f} s" for name, seconds in phases.items()))
+    return {"startup_s": age, **{f"startup_{name}_s": seconds for name, seconds in phases.items()}}
 
 
 def run_of(llm: LLM) -> Run:

@@ -1,0 +1,69 @@
+"""Where start-up goes (engine/startup.py): the engine's phases add up to its construction, and a job's
+start-up columns add up to the process's age at its first step, which is no more than the process's whole
+wall time measured from outside it."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from engine import startup
+from engine.engine import LLMEngine
+from engine.startup import Laps, process_age_s
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PHASES = ["model", "tokenizer", "kv_pool", "graphs", "warm_up"]
+needs_proc = pytest.mark.skipif(process_age_s() is None, reason="the process's age is read from Linux's /proc")
+
+
+def test_laps_are_the_times_between_them(monkeypatch):
+    clock = iter([10.0, 10.5, 12.0, 12.25, 13.0])
+    monkeypatch.setattr(startup.time, "perf_counter", lambda: next(clock))
+    laps = Laps()
+    for name in ("a", "b", "a", "c"):
+        laps.lap(name)
+    assert laps.phases == {"a": 0.5 + 0.25, "b": 1.5, "c": 0.75}
+
+
+@needs_proc
+def test_the_process_age_counts_from_the_process_start():
+    """A child that sleeps 0.5 s before reading its age: at least that, at most its wall time seen from here."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5); from engine.startup import "
+                          "process_age_s; print(process_age_s())"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    wall = time.perf_counter() - start
+    assert 0.5 <= float(out) <= wall + 0.01  # the age is read to the clock tick, 10 ms
+
+
+def test_the_engine_phases_add_up_to_its_construction(make_config):
+    before = process_age_s()
+    start = time.perf_counter()
+    engine = LLMEngine(make_config("model.device=cpu"))
+    outside = time.perf_counter() - start
+    after = process_age_s()
+    assert list(engine.startup_s) == ["before_engine"] + ENGINE_PHASES
+    phases = [engine.startup_s[name] for name in ENGINE_PHASES]
+    assert all(p >= 0 for p in phases) and sum(phases) <= outside
+    if before is not None:
+        assert before - 0.01 <= engine.startup_s["before_engine"] <= after + 0.01
+
+
+@needs_proc
+def test_a_jobs_start_up_columns_add_up_to_its_age_at_the_first_step(tmp_path):
+    env = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "engine.run", "job=bench", "model.device=cpu", "job.num_prompts=4",
+                    "job.input_len=[4,8]", "job.output_len=[2,4]", f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
+                   capture_output=True, text=True, check=True, timeout=600)
+    wall = time.perf_counter() - start
+    summary = pq.read_table(tmp_path / "summary.parquet").to_pylist()[0]
+    parts = [summary[f"startup_{name}_s"] for name in ["before_engine"] + ENGINE_PHASES + ["after_engine"]]
+    assert all(p >= 0 for p in parts)
+    assert summary["startup_s"] == pytest.approx(sum(parts), abs=1e-9)
+    assert summary["startup_s"] + summary["wall_time_s"] <= wall + 0.01
+    log = (tmp_path / "run.log").read_text()
+    assert f"start-up {summary['startup_s']:.1f} s before the first step: before engine " in log
