@@ -2,6 +2,7 @@
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
 # Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise json fp8
+# rollout startup moe
 # (default: tests nano long topp shared profile). hang: issue 28's top-p job (4,096 random prompts, top_p
 # alone), which hung the GPU before the truncating sampler's rounds were bounded.
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
@@ -11,7 +12,9 @@
 # same unconstrained, then benchmarks/structured_profile.py; TOKENIZER: the tokenizer they use (default
 # .bench/bpe151k: `python benchmarks/grammar_backends.py --vocab 151643 --site-packages --save .bench/bpe151k`).
 # fp8: issue 31's pair in one call, Qwen3-8B `nano` in bf16 then with model.quantization=fp8, after
-# benchmarks/fp8_gemm.py's per-projection times.
+# benchmarks/fp8_gemm.py's per-projection times. rollout: issue 33's workload (512 prompts x 16 samples).
+# startup: a 64-prompt job's start-up breakdown, twice (the second with the Triton cache warm). moe: the
+# Qwen3-30B-A3B shape's nano.
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
 sections=${*:-tests nano long topp shared profile}
@@ -74,6 +77,16 @@ if want fp8; then
   MODEL=qwen3-8b bench nano_8b_bf16 job.workload=nano
   MODEL=qwen3-8b bench nano_8b_fp8 job.workload=nano model.quantization=fp8
 fi
+want rollout && { bench rollout job.workload=rollout; steps $runs/rollout/steps.parquet; }
+if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the first time on this machine, then again
+  for run in first again; do
+    t0=$(date +%s.%N)
+    python3 -m engine.run job=bench model=${MODEL:-qwen3-0.6b} job.num_prompts=64 hydra.run.dir=$runs/startup_$run 2>&1 |
+      grep -E "start-up|output tok/s" | tee -a "$out/startup.log"
+    echo "$run: process wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$out/startup.log"
+  done
+fi
+want moe && { MODEL=qwen3-30b-a3b bench nano_moe job.workload=nano; steps $runs/nano_moe/steps.parquet; }
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }
 want logprobs && bench nano_logprobs job.workload=nano sampling.logprobs=5
 want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"

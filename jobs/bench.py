@@ -6,10 +6,12 @@ Workloads (job.workload), all with ignore_eos and token ids uniform in [0, 10000
                    randint(0, 10000); max_tokens randint(100, 1024) (142,827 prompt and 133,966 output tokens)
     long           1,024 prompts of [512, 3584] tokens, outputs [32, 512] (fits max_model_len 4096)
     shared_prefix  1,024 prompts: one shared 2,048-token prefix, then a suffix of [16, 256] tokens; outputs [32, 256]
+    rollout        RL rollouts (GRPO-style): 512 prompts of [256, 1536] tokens, 16 samples each (n) at
+                   temperature 1.0, outputs [64, 512]
     random         job.num_prompts prompts of job.input_len tokens, outputs job.output_len, from job.seed
-Lengths are uniform in the closed ranges. nano, long and shared_prefix use temperature 0.6 and seed 0
-(random.Random(0); prefix first, then per request its suffix's length and tokens and its output length);
-the other sampling settings are the run's. Token ids are taken modulo the vocabulary size, which
+Lengths are uniform in the closed ranges. nano, long and shared_prefix use temperature 0.6, and every fixed
+workload seed 0 (random.Random(0); prefix first, then per request its suffix's length and tokens and its
+output length); the other sampling settings are the run's. Token ids are taken modulo the vocabulary size, which
 changes nothing for Qwen3's vocabulary and lets the bench run on the tiny model.
 
 job.json_schemas = k > 0 constrains request i to JSON_SCHEMAS[i % k] (structured outputs): a few short
@@ -52,6 +54,8 @@ class Shape:
     input_len: tuple[int, int]
     output_len: tuple[int, int]
     prefix_len: int = 0
+    samples: int | None = None  # each prompt's n (None: the run's sampling.n)
+    temperature: float = FIXED_TEMPERATURE  # a fixed workload's (random takes the run's)
 
 
 NANO = Shape(256, (100, 1024), (100, 1024))
@@ -67,7 +71,8 @@ JSON_SCHEMAS = tuple({"type": "object", "properties": properties, "required": li
      "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["bug", "feature", "question"]}}, "body": OPEN_TEXT},
     {"title": {"type": "string", "maxLength": 60}, "date": {"type": "string", "format": "date"},
      "all_day": {"type": "boolean"}, "notes": OPEN_TEXT}))
-FIXED = {"long": Shape(1024, (512, 3584), (32, 512)), "shared_prefix": Shape(1024, (16, 256), (32, 256), prefix_len=2048)}
+FIXED = {"long": Shape(1024, (512, 3584), (32, 512)), "shared_prefix": Shape(1024, (16, 256), (32, 256), prefix_len=2048),
+         "rollout": Shape(512, (256, 1536), (64, 512), samples=16, temperature=1.0)}
 
 
 def shape(job) -> Shape:
@@ -94,8 +99,9 @@ def _drawn(job, sampling, vocab_size: int):
         return [(p, dataclasses.replace(params, max_tokens=random.randint(*NANO.output_len))) for p in prompts]
     fixed = job.workload in FIXED
     rng = random.Random(0 if fixed else job.seed)
-    params = dataclasses.replace(sampling, ignore_eos=True, **({"temperature": FIXED_TEMPERATURE} if fixed else {}))
     sizes = shape(job)
+    fixed_params = {"temperature": sizes.temperature, **({"n": sizes.samples} if sizes.samples else {})}
+    params = dataclasses.replace(sampling, ignore_eos=True, **(fixed_params if fixed else {}))
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(TOKEN_ID_RANGE) % vocab_size for _ in range(n)]

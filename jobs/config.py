@@ -46,7 +46,7 @@ class GenerateJob:
 @dataclass
 class BenchJob:
     name: str = "bench"
-    workload: str = "random"  # random | nano (nano-vllm's bench.py) | long | shared_prefix (jobs/bench.py)
+    workload: str = "random"  # random | nano (nano-vllm's bench.py) | long | shared_prefix | rollout (jobs/bench.py)
     num_prompts: int = 256  # this and the lengths and seed: workload random only
     input_len: list[int] = field(default_factory=lambda: [100, 1024])
     output_len: list[int] = field(default_factory=lambda: [100, 1024])
@@ -230,7 +230,7 @@ def validate(cfg) -> None:
         for key in ("input_len", "output_len"):
             lo_hi = list(cfg.job[key])
             check_value(len(lo_hi) == 2 and 1 <= lo_hi[0] <= lo_hi[1], f"job.{key}", "must be [min, max] with 1 <= min <= max", lo_hi)
-        workloads = ("random", "nano", "long", "shared_prefix")
+        workloads = ("random", "nano", "long", "shared_prefix", "rollout")
         check_value(cfg.job.workload in workloads, "job.workload", f"must be one of {workloads}", cfg.job.workload)
         check_value(cfg.job.num_prompts >= 1, "job.num_prompts", "must be >= 1", cfg.job.num_prompts)
         check_value(cfg.job.baseline in ("none", "hf"), "job.baseline", "must be 'none' or 'hf'", cfg.job.baseline)

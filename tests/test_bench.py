@@ -58,6 +58,20 @@ def test_shared_prefix_workload_as_documented():
     assert all((s.temperature, s.top_p, s.ignore_eos) == (0.6, 0.9, True) for _, s in requests)
 
 
+def test_rollout_workload_as_documented():
+    """512 prompts, each 16 samples at temperature 1.0 (the run's other settings kept), from random.Random(0):
+    per request its prompt's length and tokens, then its output length."""
+    requests = workload(BenchJob(workload="rollout"), SamplingParams(top_k=50, n=2), vocab_size=151936)
+    rng = random.Random(0)
+    expected = []
+    for _ in range(512):
+        prompt = [rng.randrange(10000) for _ in range(rng.randint(256, 1536))]
+        expected.append((prompt, rng.randint(64, 512)))
+    assert [(p, s.max_tokens) for p, s in requests] == expected
+    assert all((s.n, s.temperature, s.top_k, s.ignore_eos) == (16, 1.0, 50, True) for _, s in requests)
+    assert max(len(p) + n for p, n in expected) <= 4096
+
+
 def test_json_schemas_constrain_the_same_requests_in_turn():
     plain = workload(BenchJob(workload="nano"), SamplingParams(), vocab_size=151936)
     constrained = workload(BenchJob(workload="nano", json_schemas=3), SamplingParams(), vocab_size=151936)
