@@ -14,7 +14,7 @@
 # fp8: issue 31's pair in one call, Qwen3-8B `nano` in bf16 then with model.quantization=fp8, after
 # benchmarks/fp8_gemm.py's per-projection times. rollout: issue 33's workload (512 prompts x 16 samples).
 # startup: a 64-prompt job's start-up breakdown, twice (the second with the Triton cache warm). moe: the
-# Qwen3-30B-A3B shape's nano.
+# experts op's tiles (benchmarks/moe_op.py), then the Qwen3-30B-A3B shape's nano.
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
 sections=${*:-tests nano long topp shared profile}
@@ -86,7 +86,8 @@ if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the fir
     echo "$run: process wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$out/startup.log"
   done
 fi
-want moe && { MODEL=qwen3-30b-a3b bench nano_moe job.workload=nano; steps $runs/nano_moe/steps.parquet; }
+want moe && { python3 benchmarks/moe_op.py 2>&1 | grep -v Warn | tee "$out/moe_op.log"
+  MODEL=qwen3-30b-a3b bench nano_moe job.workload=nano; steps $runs/nano_moe/steps.parquet; }
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }
 want logprobs && bench nano_logprobs job.workload=nano sampling.logprobs=5
 want profile && python3 benchmarks/profile_decode.py ${PROFILE:-256:1024 128:100-2000 48:900-2000 16:1000-2000 4:1500-2000} 2>&1 | grep -v Warning | head -120 | tee "$out/profile.log"

@@ -12,6 +12,8 @@ projection and scales each by its pair's weight ([T * k, H]); the k rows of a to
 block past the last expert's run (expert -1) does nothing; an expert no token picks has no block, so its
 weights are never read.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -108,7 +110,23 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
     tl.store(out_ptr + safe[:, None] * s_ot + cols[None, :], rows_out.to(dt), mask=live[:, None] & col_mask[None, :])
 
 
-def moe_experts(x, gate_up, down, weights, ids, block_m: int = 16):
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch: BLOCK_N output columns, BLOCK_K of the reduction a step, its warps and stages."""
+
+    block_n: int = 64
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DEFAULT_TILES = Tiles()
+
+
+def moe_experts(x, gate_up, down, weights, ids, block_m: int = 16, gate_up_tiles: Tiles = DEFAULT_TILES,
+                down_tiles: Tiles = DEFAULT_TILES):
+    """block_m: the pairs of one expert a program takes; the tiles of each kernel (benchmarks/moe_op.py
+    sweeps them). A tile wider than its matrix is narrowed to it (16 at least, for tl.dot)."""
     T, H = x.shape
     num_experts, two_i, _ = gate_up.shape
     inter, k = two_i // 2, ids.shape[1]
@@ -118,13 +136,22 @@ def moe_experts(x, gate_up, down, weights, ids, block_m: int = 16):
     hidden = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     per_pair = torch.zeros((T * k, H), dtype=x.dtype, device=x.device)
     upcast, precision = not x.is_cuda, dot_precision(x.dtype)  # float32: exact products, not TF32
-    block_n = min(64, triton.next_power_of_2(max(inter, H, 16)))
     x = x.contiguous()
-    _gate_up_kernel[(expert_of_block.numel(), triton.cdiv(inter, block_n))](
+    n, kk = _fitted(gate_up_tiles, inter, H)
+    _gate_up_kernel[(expert_of_block.numel(), triton.cdiv(inter, n))](
         x, gate_up, hidden, pair_of_row, expert_of_block, k, H, inter, x.stride(0), *gate_up.stride(), hidden.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast, DOT_PREC=precision)
-    _down_kernel[(expert_of_block.numel(), triton.cdiv(H, block_n))](
+        BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, UPCAST=upcast, DOT_PREC=precision,
+        num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages)
+    n, kk = _fitted(down_tiles, H, inter)
+    _down_kernel[(expert_of_block.numel(), triton.cdiv(H, n))](
         hidden, down, weights.reshape(-1).contiguous(), per_pair, pair_of_row, expert_of_block, H, inter,
         hidden.stride(0), *down.stride(), per_pair.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, UPCAST=upcast, DOT_PREC=precision)
+        BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, UPCAST=upcast, DOT_PREC=precision,
+        num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages)
     return per_pair.view(T, k, H).sum(dim=1)
+
+
+def _fitted(tiles: Tiles, cols: int, depth: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of tiles for a kernel of `cols` output columns over a reduction of `depth`."""
+    return (min(tiles.block_n, triton.next_power_of_2(max(cols, 16))),
+            min(tiles.block_k, triton.next_power_of_2(max(depth, 16))))

@@ -7,6 +7,7 @@ import torch
 import ops
 from conftest import draw_norm_weights
 from engine.llm import LLM, SamplingParams
+from ops.moe import Tiles, moe_experts
 from test_oracle import MAX_TOKENS, reference_outputs
 
 
@@ -95,6 +96,25 @@ def test_moe_ops_match_a_float64_loop(backend, tokens, top_k, renormalize):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = ops.moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids)), backend=backend).cpu()
     assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, renormalize), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_m, gate_up_tiles, down_tiles", [
+    (32, Tiles(block_n=16, block_k=16), Tiles(block_n=16, block_k=16)),  # tiles narrower than the matrices
+    (64, Tiles(block_n=128, block_k=128, num_warps=8, num_stages=3), Tiles(block_n=32, block_k=64)),  # wider
+])
+def test_the_experts_tiles_change_nothing_but_speed(block_m, gate_up_tiles, down_tiles):
+    """The Triton experts with other tiles than the defaults, against the float64 loop: 37 tokens, top-2 of 8."""
+    generator = torch.Generator().manual_seed(5)
+    num_experts, hidden, inter, tokens, top_k = 8, 48, 40, 37, 2
+    x = torch.randn(tokens, hidden, generator=generator)
+    logits = torch.randn(tokens, num_experts, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / 4
+    down = torch.randn(num_experts, hidden, inter, generator=generator) / 4
+    weights, ids = ops.moe_route(logits, top_k, True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids)), block_m=block_m,
+                      gate_up_tiles=gate_up_tiles, down_tiles=down_tiles).cpu()
+    assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, True), rtol=1e-4, atol=1e-5)
 
 
 def test_impossible_expert_counts_are_named(tmp_path):
