@@ -10,13 +10,18 @@ against llguidance's parallel consume_token_par) at 32, 128 and 512 rows; and th
 [rows, words] int32 bitmask copied to the device, timed with events.
 Usage: python3 benchmarks/structured_profile.py TOKENIZER_DIR [NUM_PROMPTS] [JSON_SCHEMAS] [OVERRIDE ...]
        (a tokenizer saved by `benchmarks/grammar_backends.py --save`; defaults 256 prompts, 4 schemas;
-       OVERRIDEs: more config keys)
+       OVERRIDEs: more config keys; FILL_THREADS=N in the environment: llguidance's fill threads, instead of
+       its default of 80% of the CPUs). It first prints the host's CPUs: logical, and cores (Linux's topology).
 """
 import collections
+import functools
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import llguidance
 
 import numpy as np
 import torch
@@ -24,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ops  # noqa: E402
 from benchmarks.profile_decode import bench_engine  # noqa: E402
-from engine import model_runner  # noqa: E402
+from engine import model_runner, structured  # noqa: E402
 from engine.generation_config import resolve_sampling  # noqa: E402
-from engine.structured import _executor, allocate_bitmask, bitmask_words, fill_bitmasks  # noqa: E402
+from engine.structured import allocate_bitmask, bitmask_words, fill_bitmasks  # noqa: E402
 from jobs.bench import workload  # noqa: E402
 
 
@@ -40,7 +45,20 @@ def timed(record: collections.Counter, name: str, function):
     return run
 
 
+def host_cpus() -> str:
+    """The logical CPUs and the distinct (package, core) pairs behind them, from /sys."""
+    cores = set()
+    for cpu in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/topology"):
+        cores.add(((cpu / "physical_package_id").read_text(), (cpu / "core_id").read_text()))
+    return f"{os.cpu_count()} logical CPUs on {len(cores) or 'unknown'} cores"
+
+
 def main(tokenizer: str, num_prompts: int, schemas: int, overrides: list[str]) -> None:
+    print(host_cpus(), flush=True)
+    if "FILL_THREADS" in os.environ:
+        threads = int(os.environ["FILL_THREADS"])
+        structured._executor = functools.cache(lambda: llguidance.LLExecutor(threads))
+        print(f"llguidance's fill threads: {threads}")
     engine = bench_engine(f"model.tokenizer={tokenizer}", "job.workload=random", f"job.num_prompts={num_prompts}",
                           "job.input_len=[100,1024]", "job.output_len=[100,1024]", f"job.json_schemas={schemas}",
                           "sampling.temperature=0.6", "scheduler.max_num_seqs=512", *overrides)
@@ -167,7 +185,7 @@ def accept_costs(compiler, requests, counts, steps: int = 24) -> None:
             tokens = [int(rng.choice(np.flatnonzero(row))) for row in bits]
             start = time.perf_counter()
             if step % 2:
-                _executor().consume_token_par([(m._matcher, t) for m, t in zip(matchers, tokens)])
+                structured._executor().consume_token_par([(m._matcher, t) for m, t in zip(matchers, tokens)])
             else:
                 for m, t in zip(matchers, tokens):
                     m.accept(t)
