@@ -299,7 +299,8 @@ class InFlight:
         return self
 
     def done(self) -> bool:
-        """Whether the device has computed the step and copied its tokens (and logprobs) to the host."""
+        """Whether the device has computed the step and copied its tokens (and logprobs) to the host (asked
+        once drawn())."""
         return self.copied is None or self.copied.query()
 
 

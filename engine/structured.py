@@ -266,11 +266,15 @@ def start_fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bit
 
 
 def _fill_call(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor):
-    """The library's call that fills bitmask's rows for the pairs, checked and ready to make."""
+    """The library's call that fills bitmask's rows for the pairs, checked and ready to make; it holds the
+    bitmask, whose memory the library writes through a pointer, until it is done."""
     pairs = [(matcher._matcher, row) for matcher, row in matchers_rows]
     rows, width = _checked(bitmask).shape
-    return functools.partial(_executor().unsafe_compute_mask_ptr, pairs, bitmask.data_ptr(), 4 * width, rows) \
-        if pairs else lambda: None
+
+    def fill() -> None:
+        if pairs:
+            _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), 4 * width, rows)
+    return fill
 
 
 class _FillThread:
