@@ -2,7 +2,7 @@
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
 # Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise json fp8
-# rollout startup moe
+# rollout startup moe kl
 # (default: tests nano long topp shared profile). hang: issue 28's top-p job (4,096 random prompts, top_p
 # alone), which hung the GPU before the truncating sampler's rounds were bounded.
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
@@ -14,7 +14,8 @@
 # fp8: issue 31's pair in one call, Qwen3-8B `nano` in bf16 then with model.quantization=fp8, after
 # benchmarks/fp8_gemm.py's per-projection times. rollout: issue 33's workload (512 prompts x 16 samples).
 # startup: a 64-prompt job's start-up breakdown, twice (the second with the Triton cache warm). moe: the
-# experts op's tiles (benchmarks/moe_op.py), then the Qwen3-30B-A3B shape's nano.
+# experts op's tiles (benchmarks/moe_op.py), then the Qwen3-30B-A3B shape's nano. kl: issue 31's KL divergence
+# of FP8 weights, FP8 KV and both from bf16 (benchmarks/fp8_kl.py; MODEL defaults to qwen3-8b there).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
 sections=${*:-tests nano long topp shared profile}
@@ -77,6 +78,7 @@ if want fp8; then
   MODEL=qwen3-8b bench nano_8b_bf16 job.workload=nano
   MODEL=qwen3-8b bench nano_8b_fp8 job.workload=nano model.quantization=fp8
 fi
+want kl && python3 benchmarks/fp8_kl.py ${MODEL:-qwen3-8b} 64 512 2>&1 | grep -v Warn | tee "$out/fp8_kl.log"
 want rollout && { bench rollout job.workload=rollout; steps $runs/rollout/steps.parquet; }
 if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the first time on this machine, then again
   for run in first again; do
