@@ -13,11 +13,13 @@ import itertools
 import json
 import random
 import re
+import threading
 
 import pytest
 import torch
 
 import ops
+from engine.constraint import Constraint
 from engine.structured import (GrammarCompiler, StructuredOutputsParams, allocate_bitmask, fill_bitmasks,
                                start_fill_bitmasks)
 from engine.tokenizer import byte_level_tokenizer
@@ -201,6 +203,30 @@ def test_choice_masks_match_the_oracle(compiler, fill):
         assert allowed_ids(bitmask, row) == choice_oracle(prefix), prefix
         extendable = any(o.startswith(prefix) and o != prefix for o in (c.encode() for c in CHOICES))
         assert matcher.is_finished == (not extendable), prefix
+
+
+def test_accepts_left_to_the_fill_thread_end_where_reading_here_does(compiler):
+    """Constraint.defer hands one token's accept to start_fill_bitmasks' thread: each choice's text read one
+    token a step that way ends with the same `finished` and masks as one read here, and `finished` waits
+    for the thread (the accepted callback, called once a chunk's accepts are made)."""
+    params = StructuredOutputsParams(choice=list(CHOICES))
+    for choice in CHOICES:
+        tokens = tokens_of(choice.encode())
+        here, there = Constraint(compiler.new_matcher(params, 60)), Constraint(compiler.new_matcher(params, 60))
+        for end in range(1, len(tokens) + 1):
+            here.advance(tokens, end)
+            waits, done = [], threading.Event()
+            assert there.defer(end, lambda: waits.append(done.wait(10)))
+            masks = allocate_bitmask(2, compiler.vocab_size)
+            fill = start_fill_bitmasks([(there.matcher, 0)], masks, [(there.matcher, tokens[end - 1])],
+                                       lambda: (there.record_accepted(), done.set()))
+            assert there.finished == here.finished and waits == [True]
+            fill.result(timeout=10)
+            fill_bitmasks([(here.matcher, 1)], masks)
+            assert allowed_ids(masks, 0) == allowed_ids(masks, 1) == choice_oracle(choice.encode()[:end]), choice
+        assert here.finished == there.finished == (choice != "no")  # "no" can go on as "nope"
+    inactive = Constraint(compiler.new_matcher(params, 60), active=False, start_token_id=EOS)
+    assert not inactive.defer(1, lambda: None) and not here.defer(len(tokens) + 2, lambda: None)
 
 
 def test_choice_rejects_what_the_mask_disallows(compiler):
