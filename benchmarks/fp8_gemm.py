@@ -7,7 +7,8 @@ activations' quantization alone (ops.quantize_rows_to_e4m3), and ops.fp8_matmul 
 _scaled_mm). Each is timed as the engine runs it: over
 num_hidden_layers distinct weights (from HBM, not L2), captured in one CUDA graph, replayed (benchmarks/ops.bench,
 do_bench medians); time per matmul = replay time / layers.
-Usage (GPU): [MODEL=qwen3-0.6b] python3 benchmarks/fp8_gemm.py [M ...]   (default 16 64 128 256 512)
+Usage (GPU): [MODEL=qwen3-0.6b] [PROJ=gate_up,down] python3 benchmarks/fp8_gemm.py [M ...]   (default 16 64 128 256
+512; PROJ: some of qkv, o, gate_up, down, default all; the Triton sweep compiles every config, ~25 s a row)
 """
 import os
 import sys
@@ -51,7 +52,8 @@ def main(rows: list[int]) -> None:
     print(f"{cfg.model.name}: per matmul, us (over {layers} distinct weights, one CUDA graph)")
     print(f"{'proj':8s} {'M':>5s} {'bf16':>8s} {'fp8 gemm':>9s} {'triton fp8':>11s} {'quant':>7s} {'fp8_matmul':>11s} "
           f"{'speed-up':>9s}  triton config")
-    for name, (n, k) in shapes(arch).items():
+    chosen = os.environ.get("PROJ", "").split(",") if os.environ.get("PROJ") else list(shapes(arch))
+    for name, (n, k) in ((name, nk) for name, nk in shapes(arch).items() if name in chosen):
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
         w8 = [ops.quantize_rows_to_e4m3(w) for w in w16]
         for m in rows:
