@@ -60,6 +60,39 @@ def test_greedy_matches_transformers(tmp_path, prompts, options, block_size, num
     assert torch.allclose(again(ids).logits, hf_model(ids).logits, atol=1e-4)
 
 
+def test_a_block_scaled_fp8_moe_checkpoint_matches_transformers_on_its_weights(tmp_path, prompts):
+    """Qwen's FP8 format for a MoE checkpoint (Qwen3-30B-A3B-FP8's): every projection, the experts' per-expert
+    ones included, in e4m3 with weight_scale_inv per block, the router kept. Greedy float32 tokens equal
+    transformers' on the dequantized weights, which differ from the original's."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_fp8_weights import BLOCK, QWEN_FP8, block_dequantized, block_quantized
+    from transformers import Qwen3MoeForCausalLM
+
+    base, original = moe_checkpoint(tmp_path / "moe")
+    fp8, dequantized = tmp_path / "fp8", tmp_path / "dequantized"
+    for directory in (fp8, dequantized):
+        shutil.copytree(base, directory)
+    state = load_file(base / "model.safetensors")
+    quantized, rounded = dict(state), dict(state)
+    for name in [k for k in state if k.endswith("_proj.weight")]:
+        q, scale = block_quantized(state[name], *BLOCK)
+        quantized[name], quantized[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
+        rounded[name] = block_dequantized(q, scale, *BLOCK)
+    save_file(quantized, fp8 / "model.safetensors")
+    save_file(rounded, dequantized / "model.safetensors")
+    config = json.loads((fp8 / "config.json").read_text())
+    (fp8 / "config.json").write_text(json.dumps({**config, "quantization_config": QWEN_FP8}))
+    expected, gap = reference_outputs(Qwen3MoeForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval(),
+                                      prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    assert expected != reference_outputs(original, prompts)[0], "FP8 rounding changed no token: a weak oracle"
+    llm = LLM(model=str(fp8), dtype="float32", max_model_len=128, device="cpu")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))] == expected
+
+
 def float64_moe(x, logits, gate_up, down, top_k, renormalize):
     """Token by token, expert by expert, in float64."""
     x, logits, gate_up, down = x.double(), logits.double(), gate_up.double(), down.double()
