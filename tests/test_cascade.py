@@ -90,6 +90,10 @@ CASES = [
     # GQA 2, block size 128: prefixes that cover whole, part of and less than a decode tile; a last,
     # empty group (as padding to a fixed group count would make)
     (128, 4, 2, 64, [(200, [200, 230, 300]), (20, [20, 40]), (130, [260, 131]), (64, [])], [1, 129]),
+    # many small groups (n samples of many prompts): 64 groups of 1 to 16 rows, prefixes of 3 to 50 tokens
+    # that end inside a block or on its edge, members at the prefix or up to 9 tokens past it
+    (16, 4, 2, 32, [(3 + (g * 13) % 48, [3 + (g * 13) % 48 + (g + r) % 10 for r in range(1 + g % 16)])
+                    for g in range(64)], [7]),
 ]
 
 

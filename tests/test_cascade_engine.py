@@ -49,3 +49,28 @@ def test_greedy_matches_transformers_with_cascade(make_config, qwen3_checkpoint,
 def test_bad_mode_names_the_key_and_the_choices(make_config):
     with pytest.raises(ConfigError, match=r"cache\.cascade_attention must be one of auto, on, off, got 'sometimes'"):
         validate(make_config("cache.cascade_attention=sometimes", "job=generate"))
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_n_samples_take_the_grouped_path_and_stay_greedy_exact(make_config, qwen3_checkpoint, block_size):
+    """n = 4 greedy samples of each of three prompts: each prompt's samples share its blocks (forked), so
+    their decode rows form a group of 4 that reads the prompt once; every sample equals transformers'
+    greedy output."""
+    path, hf_model = qwen3_checkpoint
+    generator = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (9, 22, 14)]
+    expected, gap = reference_outputs(hf_model, prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto", "model.dtype=float32",
+                         f"cache.block_size={block_size}", "cache.cascade_attention=on",
+                         f"cache.num_blocks={12 * 128 // block_size}", "scheduler.max_num_seqs=16",
+                         "cache.check_invariants=true")
+    engine = LLMEngine(config)
+    firsts = [engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=4))
+              for i, p in enumerate(prompts)]
+    finished = list(engine.run())
+    assert len(finished) == 12
+    for first, tokens in zip(firsts, expected):
+        samples = [s for s in finished if s.request_id == first.request_id]
+        assert [s.output_token_ids for s in samples] == [tokens] * 4
+    assert max(steps_table(engine.stats.steps).column("cascade_rows").to_pylist()) == 12
