@@ -2,9 +2,9 @@
 
     moe_experts(x[T, H], gate_up[E, 2I, H], down[E, H, I], weights[T, k], ids[T, k]) -> [T, H]
 
-The T * k (token, expert) pairs are sorted by expert (stably) and each expert's run is padded to a multiple
-of BLOCK_M (sorted_pairs, block_experts: torch ops on the device, sized by the bound T * k + E * (BLOCK_M - 1)
-so nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
+The T * k (token, expert) pairs are grouped by expert and each expert's run is padded to a multiple of
+BLOCK_M (sorted_pairs: three small kernels on the device, sized by the bound T * k + E * (BLOCK_M - 1), so
+nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
 takes one block of BLOCK_M pairs of one expert and BLOCK_N columns of its intermediate: it gathers the
 pairs' token rows of x, multiplies them by that expert's gate and up rows over H, and writes silu(gate) *
 up in x's dtype ([T * k, I], indexed by pair). The second kernel multiplies those rows by the expert's down
@@ -23,24 +23,64 @@ from ops.paged_attention import dot_precision
 
 def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     """(pair index per padded row int64 [P] (-1: padding), expert per block int64 [P // block_m] (-1: none))
-    for ids [T, k]: pairs t * k + j in expert order, each expert's run padded to a multiple of block_m;
-    P = the bound T * k + E * (block_m - 1), rounded up to block_m."""
+    for ids [T, k]: the pairs t * k + j grouped by expert, in expert order, each expert's run padded to a
+    multiple of block_m (its pairs in no set order: each pair's row of the product is its own);
+    P = the bound T * k + E * (block_m - 1), rounded up to block_m. Three kernels, nothing on the host: a
+    histogram of the experts, the runs' layout (a prefix sum over the experts), then each pair's place."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     rows = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    run_start = torch.cumsum(padded, 0) - padded  # where each expert's padded run begins
-    sorted_start = torch.cumsum(counts, 0) - counts  # where each expert's pairs begin in `order`
-    expert_of_sorted = flat[order]
-    rank = torch.arange(pairs, device=ids.device) - sorted_start[expert_of_sorted]
-    pair_of_row = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)
-    pair_of_row[run_start[expert_of_sorted] + rank] = order
-    block_start = torch.arange(0, rows, block_m, device=ids.device)
-    expert_of_block = torch.searchsorted(run_start + padded, block_start, right=True)
-    expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    pair_of_row = torch.empty(rows, dtype=torch.int64, device=ids.device)
+    expert_of_block = torch.empty(rows // block_m, dtype=torch.int64, device=ids.device)
+    grid = (triton.cdiv(pairs, _PAIRS_PER_PROGRAM),)
+    _count_kernel[grid](flat, counts, pairs, BLOCK=_PAIRS_PER_PROGRAM)
+    _layout_kernel[(1,)](counts, cursor, pair_of_row, expert_of_block, num_experts, rows, block_m,
+                         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_ROWS=1024, BLOCK_BLOCKS=64)
+    _place_kernel[grid](flat, cursor, pair_of_row, pairs, BLOCK=_PAIRS_PER_PROGRAM)
     return pair_of_row, expert_of_block
+
+
+_PAIRS_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < pairs
+    expert = tl.load(ids_ptr + offs, mask=live, other=0)
+    tl.atomic_add(counts_ptr + expert, tl.full([BLOCK], 1, tl.int32), mask=live)
+
+
+@triton.jit
+def _layout_kernel(counts_ptr, cursor_ptr, pair_ptr, expert_ptr, num_experts, rows, block_m,
+                   BLOCK_E: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_BLOCKS: tl.constexpr):
+    """One program: each expert's padded run start (the cursor its pairs are placed from), every row -1,
+    and each block's expert: the number of runs that end at or before the block's start (-1 past the last)."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_end = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + experts, run_end - padded, mask=experts < num_experts)
+    run_end = tl.where(experts < num_experts, run_end, 1 << 30)
+    for start in range(0, rows, BLOCK_ROWS):
+        offs = start + tl.arange(0, BLOCK_ROWS)
+        tl.store(pair_ptr + offs, tl.full([BLOCK_ROWS], -1, tl.int64), mask=offs < rows)
+    for first in range(0, rows // block_m, BLOCK_BLOCKS):
+        blocks = first + tl.arange(0, BLOCK_BLOCKS)
+        ended = tl.sum((run_end[None, :] <= (blocks * block_m)[:, None]).to(tl.int32), 1)
+        expert = tl.where(ended < num_experts, ended, -1)
+        tl.store(expert_ptr + blocks, expert.to(tl.int64), mask=blocks < rows // block_m)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, cursor_ptr, pair_ptr, pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < pairs
+    expert = tl.load(ids_ptr + offs, mask=live, other=0)
+    row = tl.atomic_add(cursor_ptr + expert, tl.full([BLOCK], 1, tl.int32), mask=live)
+    tl.store(pair_ptr + row, offs.to(tl.int64), mask=live)
 
 
 @triton.jit
@@ -134,7 +174,7 @@ def moe_experts(x, gate_up, down, weights, ids, block_m: int = 16, gate_up_tiles
         return torch.zeros_like(x)
     pair_of_row, expert_of_block = sorted_pairs(ids, num_experts, block_m)
     hidden = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
-    per_pair = torch.zeros((T * k, H), dtype=x.dtype, device=x.device)
+    per_pair = torch.empty((T * k, H), dtype=x.dtype, device=x.device)  # every pair's row is written
     upcast, precision = not x.is_cuda, dot_precision(x.dtype)  # float32: exact products, not TF32
     x = x.contiguous()
     n, kk = _fitted(gate_up_tiles, inter, H)

@@ -109,10 +109,22 @@ def float64_moe(x, logits, gate_up, down, top_k, renormalize):
     return out
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """NaN in every float tensor torch.empty makes, so that a row of the op's buffers nobody wrote shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("tokens, top_k, renormalize", [(1, 2, True), (37, 2, True), (37, 1, False), (12, 8, True),
                                                         (300, 2, True)])
-def test_moe_ops_match_a_float64_loop(backend, tokens, top_k, renormalize):
+def test_moe_ops_match_a_float64_loop(backend, tokens, top_k, renormalize, poisoned_empty):
     """Both backends (Triton's in its interpreter on the CPU): one token, uneven routing (expert 2 favoured),
     an expert no token picks, top-k 1, 2 and 8, and more pairs than one block of each expert holds."""
     generator = torch.Generator().manual_seed(tokens * 10 + top_k)
@@ -135,7 +147,7 @@ def test_moe_ops_match_a_float64_loop(backend, tokens, top_k, renormalize):
     (32, Tiles(block_n=16, block_k=16), Tiles(block_n=16, block_k=16)),  # tiles narrower than the matrices
     (64, Tiles(block_n=128, block_k=128, num_warps=8, num_stages=3), Tiles(block_n=32, block_k=64)),  # wider
 ])
-def test_the_experts_tiles_change_nothing_but_speed(block_m, gate_up_tiles, down_tiles):
+def test_the_experts_tiles_change_nothing_but_speed(block_m, gate_up_tiles, down_tiles, poisoned_empty):
     """The Triton experts with other tiles than the defaults, against the float64 loop: 37 tokens, top-2 of 8."""
     generator = torch.Generator().manual_seed(5)
     num_experts, hidden, inter, tokens, top_k = 8, 48, 40, 37, 2
@@ -148,6 +160,33 @@ def test_the_experts_tiles_change_nothing_but_speed(block_m, gate_up_tiles, down
     out = moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids)), block_m=block_m,
                       gate_up_tiles=gate_up_tiles, down_tiles=down_tiles).cpu()
     assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, True), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [(1, 8, 128, 16), (300, 4, 8, 16), (700, 2, 8, 64)])
+def test_sorted_pairs_lay_out_every_pair_once_in_its_experts_run(tokens, top_k, num_experts, block_m):
+    """ops/moe.py's layout, by hand: each expert's pairs fill a run of whole blocks of its own, runs in expert
+    order, every pair exactly once, the rest -1; blocks past the last run have expert -1. Uneven routing (expert
+    1 favoured), an expert no token picks, and more pairs than one program counts (700 x 2 > 1,024)."""
+    from ops.moe import sorted_pairs
+
+    generator = torch.Generator().manual_seed(tokens)
+    scores = torch.rand(tokens, num_experts, generator=generator)
+    scores[:, 1] += 0.5
+    scores[:, 3] = -1  # never picked (top_k < num_experts)
+    ids = scores.topk(top_k, dim=-1).indices
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pair_of_row, expert_of_block = (t.cpu() for t in sorted_pairs(ids.to(device), num_experts, block_m))
+    rows = -(-(tokens * top_k + num_experts * (block_m - 1)) // block_m) * block_m
+    assert pair_of_row.shape == (rows,) and expert_of_block.shape == (rows // block_m,)
+    flat, row = ids.reshape(-1).tolist(), 0
+    for expert in range(num_experts):
+        mine = sorted(i for i, e in enumerate(flat) if e == expert)
+        blocks = -(-len(mine) // block_m)
+        run = pair_of_row[row:row + blocks * block_m].tolist()
+        assert sorted(p for p in run if p >= 0) == mine and run.count(-1) == blocks * block_m - len(mine)
+        assert expert_of_block[row // block_m:row // block_m + blocks].tolist() == [expert] * blocks
+        row += blocks * block_m
+    assert set(pair_of_row[row:].tolist()) <= {-1} and set(expert_of_block[row // block_m:].tolist()) <= {-1}
 
 
 def test_impossible_expert_counts_are_named(tmp_path):
