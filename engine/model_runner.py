@@ -193,8 +193,12 @@ class ModelRunner:
                 if bitmask is None:
                     bitmask = torch.empty((len(rows) - start, bitmask_words(pairs[0][0].vocab_size)),
                                           dtype=torch.int32, pin_memory=self.device.type == "cuda")
-                fills.append(start_fill_bitmasks(pairs, bitmask, accepts,
-                                                 functools.partial(_record_accepts, deferred, accepted)))
+                try:
+                    fills.append(start_fill_bitmasks(pairs, bitmask, accepts,
+                                                     functools.partial(_record_accepts, deferred, accepted),
+                                                     self.fill_timeout_s))
+                except TimeoutError:
+                    raise self._stalled_grammar(step, len(rows)) from None
         if not fills:
             return None
         return fills, bitmask[:len(masked)], self._to_device(np.array(masked, dtype=np.int64))

@@ -257,14 +257,15 @@ def fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: 
 
 
 def start_fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor,
-                        accepts: Sequence[tuple[GrammarMatcher, int]] = (), accepted: Callable[[], None] | None = None
-                        ) -> concurrent.futures.Future:
+                        accepts: Sequence[tuple[GrammarMatcher, int]] = (), accepted: Callable[[], None] | None = None,
+                        timeout_s: float | None = None) -> concurrent.futures.Future:
     """fill_bitmasks on a worker thread, after each matcher of `accepts` has consumed its token (in parallel,
     without the GIL: consume_token_par) and `accepted()` has run there (even if the accepts failed); returns
     once the work holds the matchers, without the GIL, so the caller runs on beside it (the Future's
     result() waits for it all). Until then the matchers are the thread's: reading one from another thread
     (is_finished, error) raises "Already mutably borrowed". Up to FILL_THREADS of these (on distinct
-    matchers) may be under way at once; one more waits for the oldest."""
+    matchers) may be under way at once; one more waits for the oldest, at most timeout_s (None: no bound),
+    else TimeoutError."""
     fill, tokens = _fill_call(matchers_rows, bitmask), [(matcher._matcher, token) for matcher, token in accepts]
 
     def work() -> None:
@@ -275,7 +276,7 @@ def start_fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bit
             if accepted is not None:
                 accepted()
         fill()
-    return next(_fill_threads()).start(work)
+    return next(_fill_threads()).start(work, timeout_s)
 
 
 def _fill_call(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor):
@@ -299,18 +300,22 @@ class _FillThread:
         self._fills = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="mask-fill", daemon=True).start()
 
-    def start(self, fill) -> concurrent.futures.Future:
+    def start(self, fill, timeout_s: float | None) -> concurrent.futures.Future:
         """fill() on the thread; returns once it has begun (the caller wakes as the library releases the
-        GIL, rather than after the interpreter's switch interval)."""
+        GIL, rather than after the interpreter's switch interval); TimeoutError if the thread is still on
+        an earlier fill after timeout_s (that fill then never ran this one: it is cancelled)."""
         future, started = concurrent.futures.Future(), threading.Event()
         self._fills.put((fill, future, started))
-        started.wait()
+        if not started.wait(timeout_s):
+            future.cancel()
+            raise TimeoutError(f"the mask-fill thread is still on an earlier fill after {timeout_s} s")
         return future
 
     def _serve(self) -> None:
         while True:
             fill, future, started = self._fills.get()
-            future.set_running_or_notify_cancel()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up waiting
             started.set()
             try:
                 fill()

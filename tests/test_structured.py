@@ -205,6 +205,21 @@ def test_choice_masks_match_the_oracle(compiler, fill):
         assert matcher.is_finished == (not extendable), prefix
 
 
+def test_a_fill_thread_still_busy_is_a_timeout_not_a_hang():
+    """A fill thread on an earlier fill that does not end: the next start gives up after its timeout (and
+    that fill never runs); once the earlier one ends, the thread takes fills again."""
+    from engine.structured import _FillThread
+
+    thread, release, ran = _FillThread(), threading.Event(), []
+    stuck = thread.start(lambda: release.wait(30), None)
+    with pytest.raises(TimeoutError, match="still on an earlier fill after 0.05 s"):
+        thread.start(lambda: ran.append("given up"), 0.05)
+    release.set()
+    stuck.result(timeout=30)
+    thread.start(lambda: ran.append("next"), 30).result(timeout=30)
+    assert ran == ["next"]
+
+
 def test_accepts_left_to_the_fill_thread_end_where_reading_here_does(compiler):
     """Constraint.defer hands one token's accept to start_fill_bitmasks' thread: each choice's text read one
     token a step that way ends with the same `finished` and masks as one read here, and `finished` waits
