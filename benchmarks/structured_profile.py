@@ -79,9 +79,9 @@ def main(tokenizer: str, num_prompts: int, schemas: int, overrides: list[str]) -
     steps = per_step_phases(runner, model_runner, engine, rows)
     plain_sample = runner._sample
 
-    def sample(step_inputs, params, logits, *args):
-        rows["drawn"] += logits.shape[0]
-        return plain_sample(step_inputs, params, logits, *args)
+    def sample(inputs, *args):
+        rows["drawn"] += inputs.logits.shape[0]
+        return plain_sample(inputs, *args)
 
     runner._sample = sample
     plain_apply = ops.apply_token_bitmask

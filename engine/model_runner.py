@@ -135,22 +135,23 @@ class ModelRunner:
         params = SamplingTensors.build(list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size,
                                        self.device, self.eos_token_ids, penalised)
         processed = processed_logits(logits, params)
-        sample = functools.partial(self._sample, functools.partial(StepInputs, step, batch, starts, drawing),
-                                   params, logits, hidden, segments)
         masks = None
         if any(s.constraint is not None for s in drawing):
             masks = self._start_masks(drawing, output_index, previous, previous_tokens, step)
-        if masks is None:
-            return InFlight(drawing, output_index, functools.partial(sample, processed)).drawn()
-        return InFlight(drawing, output_index, lambda: sample(self._masked(processed, logits, step, *masks)))
 
-    def _sample(self, step_inputs: Callable[..., StepInputs], params: SamplingTensors, logits: torch.Tensor,
-                hidden: torch.Tensor, segments: list[PromptSegment], processed: torch.Tensor
+        def sample() -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
+            drawn_from = processed if masks is None else self._masked(processed, logits, step, *masks)
+            inputs = StepInputs(step, batch, starts, drawing, drawn_from, params, recorded_event(self.device))
+            return self._sample(inputs, logits, hidden, segments)
+        step_in_flight = InFlight(drawing, output_index, sample)
+        return step_in_flight.drawn() if masks is None else step_in_flight
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, hidden: torch.Tensor, segments: list[PromptSegment]
                 ) -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
-        """Enqueue the draw from the processed logits, the penalties' record of it and the logprobs:
-        (tokens int64 [B] on the device, the watchdog's inputs, the logprobs or None)."""
-        inputs = step_inputs(processed, params, recorded_event(self.device))
-        tokens = draw(processed, params, self.sampler_fallbacks)
+        """Enqueue the draw from the inputs' logits (processed, masked), the penalties' record of it and the
+        logprobs (of the raw logits): (tokens int64 [B] on the device, the inputs, the logprobs or None)."""
+        params = inputs.sampling
+        tokens = draw(inputs.logits, params, self.sampler_fallbacks)
         if params.penalties is not None:
             self.history.record(params.penalties, tokens)
         asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]
