@@ -1,11 +1,10 @@
 """Where a constrained step's extra time goes: the bench's JSON-schema workload (jobs/bench.py,
 job.json_schemas) through the engine at 512 sequences, with the host's phases of each step timed in place
-(time.perf_counter, summed over the run): the schedule, the launch and inside it the hand-off of the
-accepts and fills to their threads (ModelRunner._start_masks), the wait for them and the mask's launch
-(ModelRunner._masked, when the next step's launch or a read of the tokens draws), the waits for the
-previous step's tokens; then the resolve. By the number of constrained rows, medians of a step's hand-off
-(with the accepts made on the host), its waits for tokens, and its accepts and fills on their threads (the
-first one's start to the last one's end). Rows: drawn, filled. On the device (CUDA events around
+(time.perf_counter, summed over the run): the schedule, the launch and inside it the accepts and the fills'
+start (ModelRunner._start_masks), the wait for the fills and the mask's launch (ModelRunner._masked, when
+the next step's launch or a read of the tokens draws), the waits for the previous step's tokens; then the
+resolve. By the number of constrained rows, medians of a step's accepts, its waits for tokens and its fills
+(on their threads, beside the rest: the first one's start to the last one's end). Rows: drawn, filled. On the device (CUDA events around
 ops.apply_token_bitmask): the kernel. Then, outside the engine, the fill and the accepts (one by one,
 against llguidance's parallel consume_token_par) at 32, 128 and 512 rows; and the upload alone: a pinned
 [rows, words] int32 bitmask copied to the device, timed with events.
@@ -74,7 +73,7 @@ def main(tokenizer: str, num_prompts: int, schemas: int, overrides: list[str]) -
     engine._resolve = timed(host, "resolve", engine._resolve)
     engine._tokens = timed(host, "waits for tokens", engine._tokens)
     runner.launch = timed(host, "launch", runner.launch)
-    runner._start_masks = timed(host, "launch: accepts and fills handed off", runner._start_masks)
+    runner._start_masks = timed(host, "launch: accepts, fills started", runner._start_masks)
     runner._masked = timed(host, "draw: waits for the fills, mask launched", runner._masked)
     steps = per_step_phases(runner, model_runner, engine, rows)
     plain_sample = runner._sample
@@ -108,13 +107,13 @@ def main(tokenizer: str, num_prompts: int, schemas: int, overrides: list[str]) -
     print(f"{num_prompts} requests, {schemas} schemas, {' '.join(overrides) or 'defaults'}: {tokens} output tokens in "
           f"{wall:.2f} s = {tokens / wall:.0f} tok/s; {num_steps} steps; first token {engine.stats.first_token_s:.3f} s")
     print("host per step, ms: " + ", ".join(f"{name} {1e3 * t / num_steps:.3f}" for name, t in sorted(host.items())))
-    print("constrained rows  steps  hand-off  waits for tokens  accepts+fills (first start to last end)  ms a step, medians")
+    print("constrained rows  steps  accepts  waits for tokens  fills (first start to last end)  ms a step, medians")
     for lo, hi in zip(BUCKETS, BUCKETS[1:]):
         sel = [s for s in steps if lo <= s["rows"] < hi and "fill_end" in s]
         if sel:
             med = lambda key: 1e3 * statistics.median(key(s) for s in sel)  # noqa: E731
             print(f"{lo:4d}-{hi - 1:<4d} {len(sel):14d} {med(lambda s: s['end'] - s['start'] - s['waits']):8.2f} "
-                  f"{med(lambda s: s['waits']):17.2f} {med(lambda s: s['fill_end'] - s['fill_start']):40.2f}")
+                  f"{med(lambda s: s['waits']):17.2f} {med(lambda s: s['fill_end'] - s['fill_start']):32.2f}")
     print("rows: " + ", ".join(f"{name} {n}" for name, n in rows.items()) +
           f"; device apply kernel {statistics.mean([b.elapsed_time(e) for b, e in kernels] or [0]):.3f} ms")
     accept_costs(engine.grammars, requests, (32, 128, 512))

@@ -12,8 +12,6 @@ chunks of sequences that ask for prompt_logprobs (PROMPT_ROWS at a time). The sa
 sequence in a step draw from its logits row, each with its own seed.
 """
 import concurrent.futures
-import functools
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress, repeat
@@ -162,56 +160,42 @@ class ModelRunner:
     def _start_masks(self, drawing: list[Sequence], output_index: list[int], previous: "InFlight | None",
                      previous_tokens: Callable[["InFlight"], list[int]], step: int
                      ) -> "tuple[list[concurrent.futures.Future], torch.Tensor, torch.Tensor] | None":
-        """Start the grammar work of the constrained rows: each matcher reads the outputs it has not read,
-        then the masks fill (None when no mask applies yet). Returns the fills, their bitmask int32 [R, W]
-        (pinned on CUDA) and the logits rows it masks (int64 [R] on the device). The newest output may be
-        the previous step's, waited for here: this step's forward is enqueued already, so the device runs
-        it while the host works. The rows go in at most FILL_THREADS chunks of FILL_CHUNK_ROWS or more,
-        each handed to a fill thread at once: a matcher whose one unread output is that newest token leaves
-        its accept to the thread (Constraint.defer; llguidance's consume_token_par there, without the GIL),
-        the others read here, one by one. So the host goes on while the threads accept and fill."""
+        """Start filling the grammar masks of the constrained rows (None when none applies yet): the fills,
+        their bitmask int32 [R, W] (pinned on CUDA) and the logits rows it masks (int64 [R] on the device).
+        Each matcher first reads the outputs it has not read, one by one (llguidance's parallel
+        consume_token_par was slower at every batch size on the H200's host: benchmarks/NOTES.md); the
+        newest may be the previous step's, waited for here: this step's forward is enqueued already, so
+        the device runs it while the host fills the masks. The rows go in at most FILL_THREADS chunks of
+        FILL_CHUNK_ROWS or more, each filled as soon as its matchers have read, while the next chunk's read."""
         rows = [row for row, seq in enumerate(drawing) if seq.constraint is not None]
         known, fills, masked, bitmask = None, [], [], None
         chunk = max(FILL_CHUNK_ROWS, -(-len(rows) // FILL_THREADS))
         for start in range(0, len(rows), chunk):
-            pairs, accepts, deferred, accepted = [], [], [], threading.Event()
-            waiter = functools.partial(self._wait_for_accepts, accepted, step, len(rows))
+            pairs = []
             for row in rows[start:start + chunk]:
                 seq, end, newest = drawing[row], output_index[row], None
-                constraint = seq.constraint
                 if end and seq.output_token_ids[end - 1] == PLACEHOLDER:  # drawn in the previous step
                     known = previous_tokens(previous) if known is None else known
                     newest = known[previous.rows[seq.seq_id]]
-                if newest is not None and constraint.defer(end, waiter):
-                    accepts.append((constraint.matcher, newest))
-                    deferred.append(constraint)
-                else:
-                    constraint.advance(seq.output_token_ids, end, newest)
-                if constraint.active:
-                    pairs.append((constraint.matcher, len(masked)))
+                seq.constraint.advance(seq.output_token_ids, end, newest)
+                if seq.constraint.active:
+                    pairs.append((seq.constraint.matcher, len(masked)))
                     masked.append(row)
             if pairs:
                 if bitmask is None:
                     bitmask = torch.empty((len(rows) - start, bitmask_words(pairs[0][0].vocab_size)),
                                           dtype=torch.int32, pin_memory=self.device.type == "cuda")
                 try:
-                    fills.append(start_fill_bitmasks(pairs, bitmask, accepts,
-                                                     functools.partial(_record_accepts, deferred, accepted),
-                                                     self.fill_timeout_s))
+                    fills.append(start_fill_bitmasks(pairs, bitmask, self.fill_timeout_s))
                 except TimeoutError:
                     raise self._stalled_grammar(step, len(rows)) from None
         if not fills:
             return None
         return fills, bitmask[:len(masked)], self._to_device(np.array(masked, dtype=np.int64))
 
-    def _wait_for_accepts(self, accepted: threading.Event, step: int, rows: int) -> None:
-        """Until a chunk's deferred accepts are made; StepTimeout after fill_timeout_s."""
-        if not accepted.wait(self.fill_timeout_s):
-            raise self._stalled_grammar(step, rows)
-
     def _stalled_grammar(self, step: int, rows: int) -> StepTimeout:
-        return StepTimeout(f"step {step}: the grammar work of its {rows} constrained rows (their accepts and masks) "
-                           f"did not finish within {self.fill_timeout_s} s (scheduler.step_timeout_s)")
+        return StepTimeout(f"step {step}: the grammar masks of its {rows} constrained rows were not filled "
+                           f"within {self.fill_timeout_s} s (scheduler.step_timeout_s)")
 
     def _masked(self, processed: torch.Tensor, logits: torch.Tensor, step: int,
                 fills: "list[concurrent.futures.Future]", bitmask: torch.Tensor, masked_rows: torch.Tensor
@@ -284,16 +268,6 @@ class ModelRunner:
             ends = np.cumsum(batch.num_new_tokens) - 1
             dst, src = self._to_device(np.stack([ends[waiting], src[waiting]]))
             input_ids[dst] = previous.device_tokens[src]
-
-
-def _record_accepts(deferred: list, accepted: threading.Event) -> None:
-    """On the fill thread, once its matchers have consumed the deferred tokens: their `finished`, then the
-    signal that Constraint.finished and advance wait for."""
-    try:
-        for constraint in deferred:
-            constraint.record_accepted()
-    finally:
-        accepted.set()
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:

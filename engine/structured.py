@@ -23,7 +23,7 @@ import itertools
 import json
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import llguidance
@@ -257,26 +257,13 @@ def fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: 
 
 
 def start_fill_bitmasks(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor,
-                        accepts: Sequence[tuple[GrammarMatcher, int]] = (), accepted: Callable[[], None] | None = None,
                         timeout_s: float | None = None) -> concurrent.futures.Future:
-    """fill_bitmasks on a worker thread, after each matcher of `accepts` has consumed its token (in parallel,
-    without the GIL: consume_token_par) and `accepted()` has run there (even if the accepts failed); returns
-    once the work holds the matchers, without the GIL, so the caller runs on beside it (the Future's
-    result() waits for it all). Until then the matchers are the thread's: reading one from another thread
-    (is_finished, error) raises "Already mutably borrowed". Up to FILL_THREADS of these (on distinct
-    matchers) may be under way at once; one more waits for the oldest, at most timeout_s (None: no bound),
-    else TimeoutError."""
-    fill, tokens = _fill_call(matchers_rows, bitmask), [(matcher._matcher, token) for matcher, token in accepts]
-
-    def work() -> None:
-        try:
-            if tokens:
-                _executor().consume_token_par(tokens)  # a refused token leaves its matcher stopped, as accept does
-        finally:
-            if accepted is not None:
-                accepted()
-        fill()
-    return next(_fill_threads()).start(work, timeout_s)
+    """fill_bitmasks on a worker thread; returns once the fill holds the matchers, without the GIL, so the
+    caller runs on beside it (the Future's result() waits for it). Until then the matchers are the fill's:
+    reading one from another thread (is_finished, error) raises "Already mutably borrowed". Up to
+    FILL_THREADS fills (of distinct matchers) may be under way at once; one more waits for the oldest, at
+    most timeout_s (None: no bound), else TimeoutError."""
+    return next(_fill_threads()).start(_fill_call(matchers_rows, bitmask), timeout_s)
 
 
 def _fill_call(matchers_rows: Iterable[tuple[GrammarMatcher, int]], bitmask: torch.Tensor):

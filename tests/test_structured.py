@@ -220,30 +220,6 @@ def test_a_fill_thread_still_busy_is_a_timeout_not_a_hang():
     assert ran == ["next"]
 
 
-def test_accepts_left_to_the_fill_thread_end_where_reading_here_does(compiler):
-    """Constraint.defer hands one token's accept to start_fill_bitmasks' thread: each choice's text read one
-    token a step that way ends with the same `finished` and masks as one read here, and `finished` waits
-    for the thread (the accepted callback, called once a chunk's accepts are made)."""
-    params = StructuredOutputsParams(choice=list(CHOICES))
-    for choice in CHOICES:
-        tokens = tokens_of(choice.encode())
-        here, there = Constraint(compiler.new_matcher(params, 60)), Constraint(compiler.new_matcher(params, 60))
-        for end in range(1, len(tokens) + 1):
-            here.advance(tokens, end)
-            waits, done = [], threading.Event()
-            assert there.defer(end, lambda: waits.append(done.wait(10)))
-            masks = allocate_bitmask(2, compiler.vocab_size)
-            fill = start_fill_bitmasks([(there.matcher, 0)], masks, [(there.matcher, tokens[end - 1])],
-                                       lambda: (there.record_accepted(), done.set()))
-            assert there.finished == here.finished and waits == [True]
-            fill.result(timeout=10)
-            fill_bitmasks([(here.matcher, 1)], masks)
-            assert allowed_ids(masks, 0) == allowed_ids(masks, 1) == choice_oracle(choice.encode()[:end]), choice
-        assert here.finished == there.finished == (choice != "no")  # "no" can go on as "nope"
-    inactive = Constraint(compiler.new_matcher(params, 60), active=False, start_token_id=EOS)
-    assert not inactive.defer(1, lambda: None) and not here.defer(len(tokens) + 2, lambda: None)
-
-
 def test_choice_rejects_what_the_mask_disallows(compiler):
     params = StructuredOutputsParams(choice=list(CHOICES))
     matcher = matcher_after(compiler, params, b"n")

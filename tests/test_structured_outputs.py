@@ -199,20 +199,19 @@ def test_a_stop_string_ends_a_constrained_output_first(llm):
 
 
 def test_a_fill_that_does_not_end_stops_the_run_naming_the_step(qwen3_checkpoint, monkeypatch):
-    """The accepts and masks run on a fill thread while the host goes on; work that never ends (its Future
-    never done, its accepts never made) stops the run within scheduler.step_timeout_s, naming the step and
-    its constrained rows."""
+    """The masks fill on a worker thread while the host goes on; a fill that never ends (its Future never
+    done) stops the run within scheduler.step_timeout_s, naming the step and its constrained rows."""
     path, _ = qwen3_checkpoint
     llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64, step_timeout_s=0.2)
     fills, start_fill = [], model_runner.start_fill_bitmasks
 
-    def fill_that_hangs_at_the_third(pairs, *args):
-        fills.append(len(pairs))
-        return concurrent.futures.Future() if len(fills) == 3 else start_fill(pairs, *args)
+    def fill_that_hangs_at_the_third(pairs, bitmask, *args):
+        fills.append(bitmask.shape[0])
+        return concurrent.futures.Future() if len(fills) == 3 else start_fill(pairs, bitmask, *args)
 
     monkeypatch.setattr(model_runner, "start_fill_bitmasks", fill_that_hangs_at_the_third)
     params = SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{20,30}"))
-    with pytest.raises(StepTimeout, match=r"^step \d+: the grammar work of its 2 constrained rows \(their accepts "
-                                          r"and masks\) did not finish within 0.2 s \(scheduler.step_timeout_s\)$"):
+    with pytest.raises(StepTimeout, match=r"^step \d+: the grammar masks of its 2 constrained rows were not "
+                                          r"filled within 0.2 s \(scheduler.step_timeout_s\)$"):
         llm.generate([[5, 6, 7], [8, 9]], params)
     assert fills == [2, 2, 2]
