@@ -14,7 +14,7 @@
 # fp8: issue 31's pair in one call, Qwen3-8B `nano` in bf16 then with model.quantization=fp8, after
 # benchmarks/fp8_gemm.py's per-projection times. rollout: issue 33's workload (512 prompts x 16 samples).
 # startup: a 64-prompt job's start-up breakdown, twice (the second with the Triton cache warm). moe: the
-# experts op's tiles (benchmarks/moe_op.py), then the Qwen3-30B-A3B shape's nano. kl: issue 31's KL divergence
+# experts op's launches, measured and saved to ops/moe_tuned/ (benchmarks/moe_op.py --save), then the Qwen3-30B-A3B shape's nano. kl: issue 31's KL divergence
 # of FP8 weights, FP8 KV and both from bf16 (benchmarks/fp8_kl.py; MODEL defaults to qwen3-8b there).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"; runs=/tmp/minipaged_runs; rm -rf "$runs"
@@ -88,7 +88,7 @@ if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the fir
     echo "$run: process wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$out/startup.log"
   done
 fi
-want moe && { python3 benchmarks/moe_op.py 2>&1 | grep -v Warn | tee "$out/moe_op.log"
+want moe && { python3 benchmarks/moe_op.py --save 2>&1 | grep -v Warn | tee "$out/moe_op.log"
   MODEL=qwen3-30b-a3b bench nano_moe job.workload=nano; steps $runs/nano_moe/steps.parquet; }
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }
 want logprobs && bench nano_logprobs job.workload=nano sampling.logprobs=5

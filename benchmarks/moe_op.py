@@ -1,11 +1,14 @@
 """The MoE experts op (ops/moe.py) at the Qwen3-30B-A3B shape (128 experts, 8 a token, hidden 2,048, expert
-intermediate 768, bf16), by the number of tokens T: each tile candidate's time against the bytes of the experts
+intermediate 768, bf16), by the number of tokens T: each launch candidate's time against the bytes of the experts
 its tokens route to (uniform routing, each token 8 distinct experts), and the share of a decode step it
-would be (48 layers). Each kernel's tiles are swept with the other's at its default; every candidate's output
-is checked against the defaults'. Times are medians of CUDA-event pairs over REPEATS calls, after one
-warm-up call that compiles.
-Usage: python3 benchmarks/moe_op.py [T ...]   (default 1 16 64 256 4096)
+would be (48 layers). At each block_m, each kernel's tiles are swept with the other's at its default (the two
+kernels run one after the other, so their best tiles combine); the best combination is timed again and, with
+--save, written to the op's tuned table (ops/moe_tuned/<key>.json, which ops.moe.moe_launch reads). Every
+candidate's output is checked against the default launch's. Times are medians of CUDA-event pairs over
+REPEATS calls, after one warm-up call that compiles.
+Usage: python3 benchmarks/moe_op.py [--save] [T ...]   (default T: 1 2 4 ... 8192)
 """
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -13,16 +16,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ops.moe import DEFAULT_TILES, Tiles, moe_experts  # noqa: E402
+from ops.moe import DEFAULT_LAUNCH, DEFAULT_TILES, TUNED_DIR, Launch, Tiles, moe_experts, tuned_key  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 48
 REPEATS = 20
 COPY_BYTES_PER_S = 4.2e12  # the H200's measured copy speed (engine/hardware.py's, as the bench logs it)
-BLOCK_M = (16, 32, 64)
+BLOCK_M = (16, 32, 64, 128)
 GATE_UP = [Tiles(n, k, w, s) for n, k, w, s in
-           [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3)]]
+           [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+            (128, 128, 8, 3)]]
 DOWN = [Tiles(n, k, w, s) for n, k, w, s in
-        [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 128, 8, 3)]]
+        [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]]
 
 
 def timed_us(call) -> float:
@@ -38,38 +42,53 @@ def timed_us(call) -> float:
     return statistics.median(times)
 
 
-def main(token_counts: list[int]) -> None:
+def best_launch(x, gate_up, down, weights, ids) -> tuple[Launch, float, float]:
+    """(the fastest launch found, its time in us, the default launch's time in us) for one T."""
+    reference = moe_experts(x, gate_up, down, weights, ids, *vars(DEFAULT_LAUNCH).values())
+
+    def time_of(launch: Launch) -> float:
+        call = lambda: moe_experts(x, gate_up, down, weights, ids, *vars(launch).values())  # noqa: E731
+        error = (call().float() - reference.float()).abs().max().item()
+        if error > 1e-2 * reference.float().abs().max().item():
+            print(f"{x.shape[0]:5d} {launch}: differs by {error}")
+            return float("inf")
+        return timed_us(call)
+
+    estimates = []
+    for block_m in BLOCK_M:
+        base = time_of(Launch(block_m))
+        up_us, up = min((time_of(Launch(block_m, t, DEFAULT_TILES)), t) for t in GATE_UP)
+        down_us, down_tiles = min((time_of(Launch(block_m, DEFAULT_TILES, t)), t) for t in DOWN)
+        estimates.append((up_us + down_us - base, Launch(block_m, up, down_tiles)))
+    launch = min(estimates, key=lambda e: e[0])[1]
+    return launch, time_of(launch), time_of(DEFAULT_LAUNCH)
+
+
+def main(token_counts: list[int], save: bool) -> None:
     torch.manual_seed(0)
     gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) / 32
     down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) / 32
     expert_bytes = (2 * INTER * HIDDEN + HIDDEN * INTER) * 2
-    print(f"{'T':>5} {'experts':>7} {'floor us':>8}  block_m  gate_up tiles (n, k, warps, stages)  down tiles"
-          f"{'us':>10} {'GB/s':>7} {'x48 ms':>7}")
+    print(f"{'T':>5} {'experts':>7} {'floor us':>8} {'default us':>10} {'best us':>8} {'GB/s':>6} {'x48 ms':>7}  "
+          "best: block_m, gate_up and down tiles (n, k, warps, stages)")
+    table = {}
     for tokens in token_counts:
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         ids = torch.rand(tokens, EXPERTS, device="cuda").topk(TOP_K, dim=-1).indices
         weights = torch.softmax(torch.randn(tokens, TOP_K, device="cuda"), -1)
         touched = int(ids.unique().numel())
-        floor_us = touched * expert_bytes / COPY_BYTES_PER_S * 1e6
-        reference = moe_experts(x, gate_up, down, weights, ids)
-        candidates = [(m, DEFAULT_TILES, DEFAULT_TILES) for m in BLOCK_M]
-        candidates += [(m, t, DEFAULT_TILES) for m in BLOCK_M for t in GATE_UP]
-        candidates += [(m, DEFAULT_TILES, t) for m in BLOCK_M for t in DOWN]
-        results = []
-        for block_m, up_tiles, down_tiles in candidates:
-            call = lambda: moe_experts(x, gate_up, down, weights, ids, block_m, up_tiles, down_tiles)  # noqa: E731
-            error = (call().float() - reference.float()).abs().max().item()
-            if error > 1e-2 * reference.float().abs().max().item():
-                print(f"{tokens:5d} block_m {block_m} {up_tiles} {down_tiles}: differs by {error}")
-                continue
-            results.append((timed_us(call), block_m, up_tiles, down_tiles))
-        best = sorted(results, key=lambda r: r[0])[:4]
-        default = [r for r in results if r[1:] == (16, DEFAULT_TILES, DEFAULT_TILES) and r not in best]
-        for us, block_m, up_tiles, down_tiles in best + default:  # the four fastest, then today's default
-            print(f"{tokens:5d} {touched:7d} {floor_us:8.1f}  {block_m:7d}  {tuple(vars(up_tiles).values())!s:35} "
-                  f"{tuple(vars(down_tiles).values())!s:18} {us:8.1f} {touched * expert_bytes / us / 1e3:7.0f} "
-                  f"{us * LAYERS / 1e3:7.2f}")
+        launch, us, default_us = best_launch(x, gate_up, down, weights, ids)
+        table[tokens] = launch.to_json()
+        print(f"{tokens:5d} {touched:7d} {touched * expert_bytes / COPY_BYTES_PER_S * 1e6:8.1f} {default_us:10.1f} "
+              f"{us:8.1f} {touched * expert_bytes / us / 1e3:6.0f} {us * LAYERS / 1e3:7.2f}  {launch.block_m}, "
+              f"{tuple(vars(launch.gate_up).values())}, {tuple(vars(launch.down).values())}", flush=True)
+    if save:
+        path = TUNED_DIR / f"{tuned_key(EXPERTS, INTER, HIDDEN, torch.bfloat16, torch.device('cuda'))}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"saved {path}")
 
 
 if __name__ == "__main__":
-    main([int(t) for t in sys.argv[1:]] or [1, 16, 64, 256, 4096])
+    args = [a for a in sys.argv[1:] if a != "--save"]
+    main([int(t) for t in args] or [2 ** i for i in range(14)], "--save" in sys.argv[1:])

@@ -11,8 +11,15 @@ up in x's dtype ([T * k, I], indexed by pair). The second kernel multiplies thos
 projection and scales each by its pair's weight ([T * k, H]); the k rows of a token are summed after. A
 block past the last expert's run (expert -1) does nothing; an expert no token picks has no block, so its
 weights are never read.
+
+Which tiles: moe_launch(T, ...) reads the table that benchmarks/moe_op.py --save measured for the shape, the
+dtype and the device (ops/moe_tuned/<key>.json: the fastest launch at each token count it swept; the
+nearest swept count is taken, as vLLM's tuned fused-MoE configs are), and DEFAULT_LAUNCH without one.
 """
-from dataclasses import dataclass
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -163,15 +170,62 @@ class Tiles:
 DEFAULT_TILES = Tiles()
 
 
-def moe_experts(x, gate_up, down, weights, ids, block_m: int = 16, gate_up_tiles: Tiles = DEFAULT_TILES,
-                down_tiles: Tiles = DEFAULT_TILES):
-    """block_m: the pairs of one expert a program takes; the tiles of each kernel (benchmarks/moe_op.py
-    sweeps them). A tile wider than its matrix is narrowed to it (16 at least, for tl.dot)."""
+@dataclass(frozen=True)
+class Launch:
+    """The experts op's launch: block_m pairs of one expert a program takes, and each kernel's tiles."""
+
+    block_m: int = 16
+    gate_up: Tiles = DEFAULT_TILES
+    down: Tiles = DEFAULT_TILES
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, fields: dict) -> "Launch":
+        return cls(fields["block_m"], Tiles(**fields["gate_up"]), Tiles(**fields["down"]))
+
+
+DEFAULT_LAUNCH = Launch()
+TUNED_DIR = Path(__file__).with_name("moe_tuned")
+
+
+@functools.cache
+def tuned_key(num_experts: int, inter: int, hidden: int, dtype: torch.dtype, device: torch.device) -> str:
+    """The tuned table's file stem for a shape, a dtype and a device (its CUDA name, spaces as _)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return f"E{num_experts}_I{inter}_H{hidden}_{str(dtype).removeprefix('torch.')}_{name.replace(' ', '_')}"
+
+
+@functools.cache
+def _tuned_table(key: str) -> dict[int, Launch]:
+    path = TUNED_DIR / f"{key}.json"
+    if not path.exists():
+        return {}
+    return {int(tokens): Launch.from_json(fields) for tokens, fields in json.loads(path.read_text()).items()}
+
+
+def moe_launch(tokens: int, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
+               device: torch.device) -> Launch:
+    """The measured launch for `tokens` tokens (that of the nearest token count swept), else DEFAULT_LAUNCH."""
+    table = _tuned_table(tuned_key(num_experts, inter, hidden, dtype, device))
+    if not table:
+        return DEFAULT_LAUNCH
+    return table[min(table, key=lambda swept: (abs(swept - tokens), swept))]
+
+
+def moe_experts(x, gate_up, down, weights, ids, block_m: int | None = None, gate_up_tiles: Tiles | None = None,
+                down_tiles: Tiles | None = None):
+    """block_m: the pairs of one expert a program takes; the tiles of each kernel (each None: moe_launch's).
+    A tile wider than its matrix is narrowed to it (16 at least, for tl.dot)."""
     T, H = x.shape
     num_experts, two_i, _ = gate_up.shape
     inter, k = two_i // 2, ids.shape[1]
     if T == 0:
         return torch.zeros_like(x)
+    tuned = moe_launch(T, num_experts, inter, H, x.dtype, x.device)
+    block_m = block_m or tuned.block_m
+    gate_up_tiles, down_tiles = gate_up_tiles or tuned.gate_up, down_tiles or tuned.down
     pair_of_row, expert_of_block = sorted_pairs(ids, num_experts, block_m)
     hidden = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
     per_pair = torch.empty((T * k, H), dtype=x.dtype, device=x.device)  # every pair's row is written

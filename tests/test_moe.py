@@ -8,6 +8,7 @@ import ops
 from conftest import draw_norm_weights
 from engine.llm import LLM, SamplingParams
 from ops.moe import Tiles, moe_experts
+from ops.moe import sorted_pairs as moe_sorted_pairs
 from test_oracle import MAX_TOKENS, reference_outputs
 
 
@@ -160,6 +161,43 @@ def test_the_experts_tiles_change_nothing_but_speed(block_m, gate_up_tiles, down
     out = moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids)), block_m=block_m,
                       gate_up_tiles=gate_up_tiles, down_tiles=down_tiles).cpu()
     assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, True), rtol=1e-4, atol=1e-5)
+
+
+def test_the_tuned_table_gives_the_launch_of_the_nearest_swept_token_count(tmp_path, monkeypatch, poisoned_empty):
+    """ops.moe.moe_launch against a table written by hand (benchmarks/moe_op.py --save's format): the nearest
+    swept T (the smaller on a tie), DEFAULT_LAUNCH for a shape without a table; the op runs the launch it
+    picks and still matches the float64 loop."""
+    import json
+
+    from ops import moe
+
+    launches = {1: moe.Launch(16, Tiles(16, 16), Tiles(32, 16)), 64: moe.Launch(32, Tiles(32, 32), Tiles(16, 16)),
+                4096: moe.Launch(64, Tiles(64, 64, 8, 3), Tiles(32, 64))}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    num_experts, hidden, inter = 8, 48, 40
+    key = moe.tuned_key(num_experts, inter, hidden, torch.float32, device)
+    (tmp_path / f"{key}.json").write_text(json.dumps({str(t): launch.to_json() for t, launch in launches.items()}))
+    monkeypatch.setattr(moe, "TUNED_DIR", tmp_path)
+    moe._tuned_table.cache_clear()
+    try:
+        picked = {t: moe.moe_launch(t, num_experts, inter, hidden, torch.float32, device) for t in (1, 20, 33, 32, 3000)}
+        assert picked == {1: launches[1], 20: launches[1], 33: launches[64], 32: launches[1], 3000: launches[4096]}
+        assert moe.moe_launch(5, num_experts, inter, 2 * hidden, torch.float32, device) == moe.DEFAULT_LAUNCH
+        calls = []
+        monkeypatch.setattr(moe, "sorted_pairs", lambda ids, e, block_m: calls.append(block_m) or
+                            moe_sorted_pairs(ids, e, block_m))
+        generator = torch.Generator().manual_seed(8)
+        tokens, top_k = 40, 2
+        x = torch.randn(tokens, hidden, generator=generator)
+        logits = torch.randn(tokens, num_experts, generator=generator)
+        gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / 4
+        down = torch.randn(num_experts, hidden, inter, generator=generator) / 4
+        weights, ids = ops.moe_route(logits, top_k, True)
+        out = moe.moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids))).cpu()
+        assert calls == [32]  # T = 40: the launch swept at 64
+        assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, True), rtol=1e-4, atol=1e-5)
+    finally:
+        moe._tuned_table.cache_clear()
 
 
 @pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [(1, 8, 128, 16), (300, 4, 8, 16), (700, 2, 8, 64)])
