@@ -66,6 +66,7 @@ class ModelConfig:
     norm_topk_prob: bool = True  # random weights, Qwen3MoeForCausalLM: the routed experts' weights sum to 1
     decoder_sparse_step: int = 1  # random weights, Qwen3MoeForCausalLM: every this-many-th layer is sparse
     mlp_only_layers: list[int] = field(default_factory=list)  # random weights, Qwen3MoeForCausalLM: layers kept dense
+    tensor_parallel_size: int = 1  # ranks the model is split over (Megatron-style: heads and MLP widths; engine/parallel.py): one process and device each, gloo on the CPU, NCCL on GPUs
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode
     piecewise_graphs: Optional[bool] = None  # steps with prompt chunks replay a graph per layer around an eager attention; null: on for CUDA, off for the CPU (true there runs the same pieces eagerly)
 
@@ -250,6 +251,7 @@ def check_engine_config(cfg) -> None:
                 f"must be null or one of {QUANTIZATIONS}", m.quantization)
     check_value(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
     check_value(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
+    check_value(m.tensor_parallel_size >= 1, "model.tensor_parallel_size", "must be >= 1", m.tensor_parallel_size)
     check_value(c.block_size >= 1, "cache.block_size", "must be >= 1", c.block_size)
     check_value(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)
     check_value(c.kv_budget_gb is None or c.kv_budget_gb > 0, "cache.kv_budget_gb", "must be > 0", c.kv_budget_gb)

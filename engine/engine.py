@@ -18,6 +18,7 @@ from engine.generation_config import read_generation_config, stop_ids
 from engine.kv_cache import PagedKVCache, bytes_per_block, cache_dtype, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
+from engine.parallel import build_parallel_model
 from engine.prefix_groups import CascadePolicy
 from engine.reasoning import reasoning_parser as make_reasoning_parser
 from engine.sampler import MAX_LOGPROBS, compile_samplers
@@ -84,7 +85,12 @@ class LLMEngine:
         self.run_dir = run_dir
         self.max_model_len = cfg.model.max_model_len
         self.device, self.dtype = resolve_device(cfg.model)
-        self.model, config_eos = build_model(cfg.model, self.device, self.dtype)
+        self.parallel = cfg.model.tensor_parallel_size > 1
+        if self.parallel:  # its ranks' shares, the workers started (engine/parallel.py)
+            self.model = build_parallel_model(cfg.model, self.device, self.dtype, cfg.scheduler.step_timeout_s)
+            config_eos = self.model.eos_token_ids
+        else:
+            self.model, config_eos = build_model(cfg.model, self.device, self.dtype)
         self.generation_config = read_generation_config(resolve_model_path(cfg.model))
         self.eos_token_ids = stop_ids(config_eos, self.generation_config)
         if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
@@ -103,11 +109,16 @@ class LLMEngine:
         kv_dtype = cache_dtype(cfg.cache.kv_cache_dtype, self.dtype, self.device)
         free_bytes = None
         if self.device.type == "cuda" and cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None:
+            if self.parallel:  # the pool is sized by a trial forward, which the workers do not take part in
+                raise ConfigError("model.tensor_parallel_size > 1 on CUDA needs cache.kv_budget_gb (each rank's) "
+                                  "or cache.num_blocks")
             free_bytes = kv_bytes_left(self.model, self.device, cfg.cache.gpu_memory_utilization,
                                        max_num_batched_tokens, max_num_seqs)
         per_block = bytes_per_block(self.model.kv_cache_spec, self.block_size, kv_dtype)
         num_blocks = num_blocks_for(cfg.cache, per_block, self.device, self.max_model_len, max_num_seqs, free_bytes)
         self.kv_cache = PagedKVCache(self.model.kv_cache_spec, num_blocks, self.block_size, kv_dtype, self.device)
+        if self.parallel:
+            self.kv_cache = self.model.attach(self.kv_cache)
         log.info("KV cache: %d blocks of %d tokens = %d tokens, %.2f GB of %s; %.1f sequences of max_model_len %d at once",
                  num_blocks, self.block_size, num_blocks * self.block_size, self.kv_cache.bytes / 1e9,
                  str(kv_dtype).removeprefix("torch."), num_blocks / max_blocks_per_seq, self.max_model_len)
@@ -115,8 +126,9 @@ class LLMEngine:
         laps.lap("kv_pool")
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
-        graph_batch = 0 if cfg.model.enforce_eager else max_num_seqs
-        piece_tokens = max_num_batched_tokens if piecewise_graphs_on(cfg.model, self.device) else 0
+        eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
+        graph_batch = 0 if eager else max_num_seqs
+        piece_tokens = max_num_batched_tokens if piecewise_graphs_on(cfg.model, self.device) and not self.parallel else 0
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
                                   self.eos_token_ids, cascade, piece_tokens, cfg.scheduler.step_timeout_s)
         if self.runner.pieces is not None:
@@ -326,6 +338,8 @@ class LLMEngine:
         """Free the KV cache and the CUDA graphs, and stop the grammar compiler's threads; the engine cannot
         step afterwards."""
         self.runner = self.kv_cache = None
+        if self.parallel:
+            self.model.close()
         if "grammars" in self.__dict__:  # built (a cached_property) by a constrained request
             self.grammars.close()
         if self.device.type == "cuda":

@@ -31,17 +31,19 @@ def run_local(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callab
               run_dir: Path) -> Run:
     """executor=local: one engine in this process; rows are pulled as its stream has room for them."""
     llm = new_llm(cfg, processor, run_dir)
-    processor.setup(llm)
-    startup = startup_columns(llm.startup_s)
-    requests = (processor.preprocess(key, fields) for key, fields in rows)
-    progress = Progress(num_rows)
-    try:
-        for out in llm.stream(requests, chat_template_kwargs=processor.chat_template_kwargs):
-            progress.finished(take(processor.postprocess(out)))
+    try:  # closed on the way out of a failure too: a tensor-parallel engine's workers stop with it
+        processor.setup(llm)
+        startup = startup_columns(llm.startup_s)
+        requests = (processor.preprocess(key, fields) for key, fields in rows)
+        progress = Progress(num_rows)
+        try:
+            for out in llm.stream(requests, chat_template_kwargs=processor.chat_template_kwargs):
+                progress.finished(take(processor.postprocess(out)))
+        finally:
+            progress.close()
+        run = run_of(llm)
+        run.summary.update(startup)
+        processor.finish(llm)
     finally:
-        progress.close()
-    run = run_of(llm)
-    run.summary.update(startup)
-    processor.finish(llm)
-    llm.close()
+        llm.close()
     return run

@@ -86,12 +86,12 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = PackedLinear(arch.hidden_size, [arch.intermediate_size] * 2, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def add_to(self, hidden, input_norm_eps):
+    def add_to(self, hidden, input_norm_eps, all_reduce=None):
         """hidden += down(silu(gate) * up) of the RMSNorm of hidden, in place (the norm folded into
-        gate_up_proj's weight, its row scale in the SiLU's kernel)."""
+        gate_up_proj's weight, its row scale in the SiLU's kernel); all_reduce: add_linear_'s."""
         gate_up = project(hidden, self.gate_up_proj)
         act = ops.silu_and_mul(gate_up, input_norm=(hidden, input_norm_eps), bias=self.gate_up_proj.bias)
-        add_linear_(hidden, act, self.down_proj)
+        add_linear_(hidden, act, self.down_proj, all_reduce)
 
     def fold_norm(self, norm: RMSNorm, apart=frozenset()) -> None:
         norm.fold_into(self.gate_up_proj, self.gate_up_proj in apart)
@@ -119,6 +119,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(arch)
         self.mlp = SparseMoeMLP(arch) if index in arch.moe_layers else DecoderMLP(arch)
         self.norm_eps = arch.rms_norm_eps
+        self.all_reduce = None  # tensor parallelism's sum of the row-parallel partial sums (tensor_parallel.py)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -133,8 +134,8 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, attn_out, hidden):
         """attention output [T, Hq * D]: hidden += o_proj(attn_out), then hidden += mlp(norm(hidden)) -> hidden."""
-        add_linear_(hidden, attn_out, self.self_attn.o_proj)
-        self.mlp.add_to(hidden, self.norm_eps)
+        add_linear_(hidden, attn_out, self.self_attn.o_proj, self.all_reduce)
+        self.mlp.add_to(hidden, self.norm_eps, self.all_reduce)
         return hidden
 
     def fold_norm_weights(self, apart=frozenset()) -> None:

@@ -37,11 +37,16 @@ def project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return torch.nn.functional.linear(x, linear.weight)
 
 
-def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, all_reduce=None) -> torch.Tensor:
     """residual += linear(x), in place: the matmul adds into residual as it writes (addmm's beta = 1), so
-    the sum takes no kernel of its own (an FP8 weight's takes one: project, then the sum)."""
-    if linear.weight.dtype == torch.float8_e4m3fn:
-        residual.add_(project(x, linear))
+    the sum takes no kernel of its own (an FP8 weight's takes one: project, then the sum). all_reduce: a
+    row-parallel linear's (engine/models/tensor_parallel.py): x @ W^T is this rank's partial sum, summed
+    over the ranks before it joins residual."""
+    if all_reduce is not None or linear.weight.dtype == torch.float8_e4m3fn:
+        partial = project(x, linear)
+        if all_reduce is not None:
+            all_reduce(partial)
+        residual.add_(partial)
     else:
         residual.addmm_(x, linear.weight.t())
     return residual if linear.bias is None else residual.add_(linear.bias)

@@ -41,11 +41,15 @@ class SparseMoeMLP(nn.Module):
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # the router
         self.experts = StackedExperts(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size)
 
-    def add_to(self, hidden, input_norm_eps):
-        """hidden += the routed experts' sum of the RMSNorm of hidden, in place."""
+    def add_to(self, hidden, input_norm_eps, all_reduce=None):
+        """hidden += the routed experts' sum of the RMSNorm of hidden, in place; all_reduce: tensor
+        parallelism's, which sums the ranks' partial sums (each holds a slice of every expert's width)."""
         normed = ops.rms_norm(hidden, self.input_weight, input_norm_eps)
         weights, ids = ops.moe_route(self.gate(normed), self.top_k, self.renormalize)
-        hidden.add_(ops.moe_experts(normed, self.experts.gate_up_proj, self.experts.down_proj, weights, ids))
+        routed = ops.moe_experts(normed, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if all_reduce is not None:
+            all_reduce(routed)
+        hidden.add_(routed)
 
     def fold_norm(self, norm, apart=frozenset()) -> None:
         """Keep the post-attention norm's weight (the router and the experts both read its output)."""

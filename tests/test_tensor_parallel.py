@@ -1,0 +1,128 @@
+"""Tensor parallelism on the CPU (engine/parallel.py, engine/models/tensor_parallel.py): the model split over
+two gloo processes gives greedy float32 outputs token-exact with transformers' unsplit model, with prefix
+caching, preemption, n > 1 and a mixture of experts; a worker that dies stops the run naming it, and a job
+keeps the rows that finished before."""
+import os
+import signal
+from contextlib import contextmanager
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from engine import parallel
+from engine.errors import ConfigError
+from engine.llm import LLM, SamplingParams
+from engine.parallel import WorkerError
+from jobs.generate import generate_job
+from test_moe import moe_checkpoint
+from test_oracle import MAX_TOKENS, reference_outputs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@contextmanager
+def split_llm(path, **options):
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=128, tensor_parallel_size=2, **options)
+    try:
+        yield llm
+    finally:
+        llm.close()
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference(qwen3_checkpoint):
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (1, 5, 17, 40, 63)]
+    outputs, gap = reference_outputs(qwen3_checkpoint[1], prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    return prompts, outputs
+
+
+def token_ids(outputs):
+    return [[sample.token_ids for sample in out.outputs] for out in outputs]
+
+
+def test_two_ranks_match_transformers_with_prefix_caching_and_n_samples(qwen3_checkpoint, prompts_and_reference):
+    """Each rank holds 2 of 4 query heads, 1 of 2 KV heads, half the MLP and half the vocabulary (257 tokens:
+    the second half padded); the second pass over the same prompts starts from the prefix cache; n = 2
+    greedy samples each equal the reference."""
+    prompts, expected = prompts_and_reference
+    with split_llm(qwen3_checkpoint[0]) as llm:
+        assert [w.is_alive() for w in llm.engine.model.workers] == [True]
+        assert llm.engine.model.kv_cache_spec.num_kv_heads == 1
+        assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
+        again = token_ids(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=2)))
+        assert again == [[e, e] for e in expected]
+        assert llm.stats().figures["prefix_cache_hit_tokens"] > 0
+
+
+def test_two_ranks_match_transformers_when_the_pool_preempts(qwen3_checkpoint, prompts_and_reference):
+    prompts, expected = prompts_and_reference
+    with split_llm(qwen3_checkpoint[0], block_size=4, num_blocks=32) as llm:  # 128 slots for 1-63 + 24 tokens each
+        assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
+        assert llm.stats().figures["preemptions"] > 0, "the pool was meant to preempt"
+
+
+def test_two_ranks_of_a_mixture_of_experts_match_transformers(tmp_path):
+    """Each rank holds half of every expert's width (48 -> 24), the router whole."""
+    path, hf_model = moe_checkpoint(tmp_path / "moe")
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (2, 9, 30)]
+    expected, gap = reference_outputs(hf_model, prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    with split_llm(path) as llm:
+        assert llm.engine.model.local.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 48, 96)
+        assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
+
+
+def test_a_size_that_does_not_divide_the_heads_is_named(qwen3_checkpoint):
+    with pytest.raises(ConfigError, match=r"^model.tensor_parallel_size 3 must divide the model's "
+                                          r"num_attention_heads \(4\), num_key_value_heads \(2\)"):
+        LLM(str(qwen3_checkpoint[0]), dtype="float32", device="cpu", tensor_parallel_size=3)
+    assert not torch.distributed.is_initialized()  # the workers stopped: another engine can start
+    with pytest.raises(ConfigError, match=r"model.tensor_parallel_size must be >= 1, got 0"):
+        LLM(str(qwen3_checkpoint[0]), device="cpu", tensor_parallel_size=0)
+
+
+def test_a_worker_that_dies_stops_the_run_naming_it(qwen3_checkpoint, prompts_and_reference):
+    prompts, _ = prompts_and_reference
+    with split_llm(qwen3_checkpoint[0]) as llm:
+        worker = llm.engine.model.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(30)
+        with pytest.raises(WorkerError, match=rf"^tensor parallel: the worker of rank 1 \(pid {worker.pid}\) exited "
+                                              rf"with code -9; the run stops$"):
+            llm.generate(prompts, GREEDY)
+
+
+def test_a_job_whose_worker_dies_keeps_its_finished_rows(make_config, tmp_path, monkeypatch):
+    """Requests of 2, 4, ... 12 output tokens; the worker is killed before the 8th forward: the rows that
+    finished before are saved, each as the same job on one rank writes it."""
+    source = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"prompt {i}" for i in range(6)], "max_tokens": [2 * (i + 1) for i in range(6)]}),
+                   source)
+    overrides = [f"job.input={source}", "model.device=cpu", "job.flush_every=1", "sampling.temperature=0"]
+    for run in ("whole", "split"):
+        (tmp_path / run).mkdir()
+    generate_job(make_config(*overrides), tmp_path / "whole")
+    whole = pq.read_table(tmp_path / "whole" / "generations.parquet").to_pylist()
+    forward, calls = parallel.TensorParallelModel.__call__, []
+
+    def forward_then_die(model, *args):
+        calls.append(1)
+        if len(calls) == 8:
+            os.kill(model.workers[0].pid, signal.SIGKILL)
+            model.workers[0].join(30)
+        return forward(model, *args)
+
+    monkeypatch.setattr(parallel.TensorParallelModel, "__call__", forward_then_die)
+    with pytest.raises(WorkerError, match=r"^tensor parallel: the worker of rank 1 \(pid \d+\) exited with code -9"):
+        generate_job(make_config(*overrides, "model.tensor_parallel_size=2"), tmp_path / "split")
+    assert not torch.distributed.is_initialized()
+    saved = pq.read_table(tmp_path / "split" / "generations.parts").to_pylist()
+    assert 1 <= len(saved) < 6
+    for row in saved:
+        assert row["output_token_ids"] == whole[row["row"]]["output_token_ids"]
