@@ -70,11 +70,11 @@ EXECUTORS = ("local", "ray")
 @dataclass
 class ExecutorConfig:
     """Where the engines run: local (one engine in this process) or ray (jobs/ray_executor.py: one engine
-    per Ray actor, the rows spread over them with Ray Data). The other keys are the ray executor's."""
+    per Ray actor, the rows streamed to them in batches). The other keys are the ray executor's."""
 
     name: str = "local"  # local | ray; set by executor=NAME
     num_engines: Optional[int] = None  # ray: engine actors; null: one per GPU that Ray sees (set it on a CPU machine)
-    gpus_per_engine: float = 1.0  # ray: GPUs each engine actor holds (0: CPU engines)
+    gpus_per_engine: Optional[float] = None  # ray: GPUs each engine actor holds (0: CPU engines); null: model.tensor_parallel_size
     address: Optional[str] = None  # ray: a cluster to attach to (e.g. auto); null: start a local Ray
     batch_size: int = 512  # ray: input rows handed to an engine at a time, each run to completion
 
@@ -194,7 +194,8 @@ def check_executor(e) -> None:
     check_value(e.name in EXECUTORS, "executor.name", f"must be one of {EXECUTORS} (set it with executor=NAME)", e.name)
     check_value(e.num_engines is None or e.num_engines >= 1, "executor.num_engines", "must be >= 1 or null (one per GPU)",
            e.num_engines)
-    check_value(e.gpus_per_engine >= 0, "executor.gpus_per_engine", "must be >= 0", e.gpus_per_engine)
+    check_value(e.gpus_per_engine is None or e.gpus_per_engine >= 0, "executor.gpus_per_engine", "must be >= 0 or null",
+                e.gpus_per_engine)
     check_value(e.batch_size >= 1, "executor.batch_size", "must be >= 1", e.batch_size)
     check_value(e.address is None or bool(e.address.strip()), "executor.address",
            "must be a Ray address such as auto or ray://host:10001, or null for a local Ray", e.address)

@@ -1,15 +1,18 @@
-"""executor=ray: one job over several engines, each in a Ray actor, the rows spread over them by Ray Data.
+"""executor=ray: one job over several engines, each in a Ray actor, the rows streamed to them in batches.
 
-Driver (this process). The job's rows (key, fields) (job=generate: the input rows that no earlier run
+Driver (this process). It starts the executor.num_engines Engine actors first, each holding
+executor.gpus_per_engine GPUs (unset: model.tensor_parallel_size, a GPU per rank), so the engines build
+while the rows are read. The job's rows (key, fields) (job=generate: the input rows that no earlier run
 saved, the same resume as executor=local; job=bench: request numbers of its workload, which every engine
-draws alike) go to Ray's object store in blocks (the key, the fields pickled). Ray Data's map_batches
-hands them, executor.batch_size rows at a time (fewer when the rows would not give every engine one
-batch), to a pool of executor.num_engines actors holding
-executor.gpus_per_engine GPUs each. An actor builds one engine with the Python API (engine.LLM on the
-job's config), hands it to the job's Processor (jobs/processor.py: setup), and runs each batch to
-completion through LLM.stream, the Processor turning rows into requests and results into output rows (a
-row that cannot run stays an error row). The driver takes the output stream and hands each request's rows
-to the job (`take`), as executor=local does: generations.parquet, its parts and resuming are the same.
+draws alike) are read as the engines have room, executor.batch_size rows at a time (fewer when the rows
+would not give every engine one batch; the key, the fields pickled): each engine holds two batches at
+most, the one it runs and the next, so the driver never holds more of the input than that. An actor builds
+one engine with the Python API (engine.LLM on the job's config), hands it to the job's Processor
+(jobs/processor.py: setup), and runs each batch to completion through LLM.stream, the Processor turning
+rows into requests and results into output rows (a row that cannot run stays an error row). The driver
+hands each finished batch's rows to the job (`take`), as executor=local does: generations.parquet, its
+parts and resuming are the same. (Ray Data's map_batches, used before, needs its input whole in the object
+store before the first batch; the rows here come from a generator on the driver.)
 
 Faults. An actor that dies (a crash, out of memory, ray.kill) is restarted by Ray (max_restarts=-1) and
 the batch it was running is run again (max_task_retries=-1). A batch's rows come back together, and the
@@ -47,9 +50,7 @@ from dataclasses import asdict
 
 import pyarrow as pa
 import ray
-import ray.data
 import torch
-from ray.data import ActorPoolStrategy, DataContext
 
 from engine.errors import ConfigError, UserError
 from engine.stats import STEPS_SCHEMA, StatsRecorder, StepStats
@@ -57,11 +58,12 @@ from jobs.common import Progress
 from jobs.processor import Processor, Rows, Run, new_llm
 
 log = logging.getLogger("minipaged")
-ENGINES_READY_TIMEOUT_S = 3600  # the pool's actors must all be built by then (model loads included)
+ENGINES_READY_TIMEOUT_S = 3600  # a batch must come back by then (model loads included)
+IN_FLIGHT_PER_ENGINE = 2  # an engine's batches handed over at once: the one it runs and the next
 ENGINE_STEPS_SCHEMA = pa.schema([("engine", pa.int64()), *STEPS_SCHEMA])  # steps.parquet of executor=ray
-# Ray Data keeps its actors' constructor arguments in the object store, so Ray's core worker logs this line
-# (at ERROR, to the driver's stderr, once per process) as the engines' pool starts. The restarts it warns
-# about work here (Ray Data holds those objects while the job runs), and Ray has no switch for this line
+# Ray keeps large constructor arguments of an actor in the object store, and then its core worker logs this
+# line (at ERROR, to the driver's stderr, once per process) as the engines start. The restarts it warns
+# about work here (the driver holds those objects while the job runs), and Ray has no switch for this line
 # alone: RAY_BACKEND_LOG_LEVEL=fatal would hide every error of Ray's C++, and print a line of its own.
 RAY_ACTOR_ARGS_NOTICE = (r"\[[^\]\n]* E [^\]\n]*\] core_worker\.cc:\d+: Actor with class name: [^\n]*"
                          r"has constructor arguments in the object store[^\n]*\n?")
@@ -77,10 +79,11 @@ while chunk := os.read(0, 1 << 16):
 
 
 # -- the engines (Ray actors) -------------------------------------------------------------------------
+@ray.remote(max_restarts=-1, max_task_retries=-1)  # a dead engine is restarted, and its batches run again
 class Engine:
-    """One engine in a Ray actor: map_batches' callable class, running the job's Processor. Once built it
-    registers with the collector; after each batch it reports its new steps (step_time_s leaves out the
-    waits between batches) and its sampler's fallbacks so far."""
+    """One engine in a Ray actor, running the job's Processor. Once built it registers with the collector;
+    after each batch it reports its new steps (step_time_s leaves out the waits between batches) and its
+    sampler's fallbacks so far."""
 
     def __init__(self, cfg, collector, processor: Processor):
         constructed = time.time()
@@ -94,7 +97,8 @@ class Engine:
         me = ray.get_runtime_context().current_actor
         self.index = ray.get(collector.register.remote(me, asdict(self.llm.settings()), constructed, time.time()))
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    def run(self, batch: pa.Table) -> pa.Table:
+        """The output rows of a batch of input rows (batch_table's), run to completion."""
         if self.failed:
             raise self.failed
         requests = (self.processor.preprocess(key, pickle.loads(fields))
@@ -172,10 +176,16 @@ def stderr_without(pattern: str) -> Iterator[None]:
         drop.wait()
 
 
-def engine_count(executor) -> int:
-    """executor.num_engines, or one engine per executor.gpus_per_engine GPUs that Ray sees; ConfigError
-    when the pool cannot be placed."""
-    gpus, per_engine = ray.cluster_resources().get("GPU", 0), executor.gpus_per_engine
+def gpus_per_engine(cfg) -> float:
+    """executor.gpus_per_engine, or where unset model.tensor_parallel_size: one GPU per rank."""
+    per_engine = cfg.executor.gpus_per_engine
+    return cfg.model.tensor_parallel_size if per_engine is None else per_engine
+
+
+def engine_count(executor, per_engine: float) -> int:
+    """executor.num_engines, or one engine per `per_engine` GPUs that Ray sees; ConfigError when the pool
+    cannot be placed."""
+    gpus = ray.cluster_resources().get("GPU", 0)
     if executor.num_engines is None:
         count = int(gpus // per_engine) if per_engine else 0
         if not count:
@@ -205,43 +215,59 @@ def run_on_ray(cfg, processor: Processor, rows: Rows, num_rows: int, take: Calla
     started_ray = start_ray(cfg.executor)
     try:
         ray_ready = time.time()
-        num_engines = engine_count(cfg.executor)
+        per_engine = gpus_per_engine(cfg)
+        num_engines = engine_count(cfg.executor, per_engine)
         collector = StatsCollector.remote()
-        context = DataContext.get_current()
-        context.enable_progress_bars = False
-        context.wait_for_min_actors_s = ENGINES_READY_TIMEOUT_S  # every engine ready before the first batch
-        context.raise_original_map_exception = True  # an engine's UserError reaches engine_error
         batch_size = min(cfg.executor.batch_size, math.ceil(num_rows / num_engines))  # every engine gets rows
-        # Ray Data's actors default to max_restarts=-1, max_task_retries=-1: a dead actor is restarted and
-        # its batch run again. One batch at a time per actor: the next goes to whichever engine is free.
-        outputs = blocks_dataset(rows, batch_size).map_batches(
-            Engine, batch_size=batch_size, batch_format="pyarrow", fn_constructor_args=(cfg, collector, processor),
-            num_cpus=1, num_gpus=cfg.executor.gpus_per_engine,
-            compute=ActorPoolStrategy(size=num_engines, max_tasks_in_flight_per_actor=1))
-        log.info("ray: %d engine(s), %g GPU(s) each, batches of up to %d rows", num_engines,
-                 cfg.executor.gpus_per_engine, batch_size)
-        progress, batches = Progress(num_rows), iter(outputs.iter_batches(batch_size=None, batch_format="pyarrow"))
+        with stderr_without(RAY_ACTOR_ARGS_NOTICE):  # the engines start building now, while the rows are read
+            engines = [Engine.options(num_cpus=1, num_gpus=per_engine).remote(cfg, collector, processor)
+                       for _ in range(num_engines)]
+        log.info("ray: %d engine(s), %g GPU(s) each, batches of up to %d rows", num_engines, per_engine, batch_size)
+        progress = Progress(num_rows)
         try:
-            with stderr_without(RAY_ACTOR_ARGS_NOTICE):  # Ray Data starts the pool for the first batch
-                first = list(itertools.islice(batches, 1))
-            taken = set()
-            for batch in itertools.chain(first, batches):
-                for key, request_rows in itertools.groupby(batch.to_pylist(), key=lambda row: row["row"]):
-                    if key not in taken:
-                        taken.add(key)
-                        progress.finished(take(list(request_rows)))
-                after_batch(collector)
-        except ray.exceptions.RayError as err:
-            raise (engine_error(err) or err) from None
+            stream_batches(engines, batches_of(rows, batch_size), take, progress, collector)
         finally:
-            batches.close()  # on the way out of a failure too: Ray Data stops, and its actors with it
             progress.close()
+            for engine in engines:  # on the way out of a failure too
+                ray.kill(engine)
         end = time.time()
-        engines = ray.get(collector.report.remote())
+        report = ray.get(collector.report.remote())
     finally:
         if started_ray:
             ray.shutdown()
-    return Run(*job_timings(engines, num_engines, start, ray_ready, end))
+    return Run(*job_timings(report, num_engines, start, ray_ready, end))
+
+
+def stream_batches(engines: list, batches: Iterator[pa.Table], take: Callable[[list[dict]], int],
+                   progress: Progress, collector) -> None:
+    """Each engine holds IN_FLIGHT_PER_ENGINE batches at most (one running, the next queued behind it), the
+    next read from `batches` only when an engine has room: the driver holds no more of the input than
+    that. Each finished batch's rows go to take() once per request."""
+    in_flight, taken = {}, set()
+
+    def feed(engine) -> None:
+        batch = next(batches, None)
+        if batch is not None:
+            in_flight[engine.run.remote(batch)] = engine
+
+    for _ in range(IN_FLIGHT_PER_ENGINE):
+        for engine in engines:
+            feed(engine)
+    while in_flight:
+        done, _ = ray.wait(list(in_flight), num_returns=1, timeout=ENGINES_READY_TIMEOUT_S)
+        if not done:
+            raise UserError(f"ray: no engine finished a batch within {ENGINES_READY_TIMEOUT_S} s")
+        engine = in_flight.pop(done[0])
+        try:
+            batch = ray.get(done[0])
+        except ray.exceptions.RayError as err:
+            raise (engine_error(err) or err) from None
+        feed(engine)
+        for key, request_rows in itertools.groupby(batch.to_pylist(), key=lambda row: row["row"]):
+            if key not in taken:
+                taken.add(key)
+                progress.finished(take(list(request_rows)))
+        after_batch(collector)
 
 
 def job_timings(engines: list[dict], num_engines: int, start: float, ray_ready: float,
@@ -267,12 +293,9 @@ def job_timings(engines: list[dict], num_engines: int, start: float, ray_ready: 
     return steps, timings
 
 
-def blocks_dataset(rows: Rows, block_rows: int) -> ray.data.Dataset:
-    """A dataset of the rows in blocks of block_rows (the key, the fields pickled), each block put in Ray's
-    object store by the driver (which keeps only references; the store spills to disk past its size). No
-    read task: the engines may hold every CPU."""
+def batches_of(rows: Rows, batch_rows: int) -> Iterator[pa.Table]:
+    """The rows in tables of batch_rows (the key, the fields pickled), read from `rows` as they are asked for."""
     rows = iter(rows)
-    chunks = iter(lambda: list(itertools.islice(rows, block_rows)), [])
-    return ray.data.from_arrow_refs([ray.put(pa.table({"row": pa.array([key for key, _ in chunk], pa.int64()),
-                                                       "fields": pa.array([pickle.dumps(f) for _, f in chunk], pa.binary())}))
-                                     for chunk in chunks])
+    for chunk in iter(lambda: list(itertools.islice(rows, batch_rows)), []):
+        yield pa.table({"row": pa.array([key for key, _ in chunk], pa.int64()),
+                        "fields": pa.array([pickle.dumps(f) for _, f in chunk], pa.binary())})

@@ -116,6 +116,22 @@ def test_two_engines_write_the_rows_the_local_executor_writes(cluster, prompts, 
     assert 0 < summary["ray_init_s"] <= summary["startup_s"] <= max(summary["engine_done_s"]) <= summary["wall_time_s"]
 
 
+def test_the_rows_stream_to_the_engines_as_they_free_up(cluster, prompts, local_rows, tmp_path, monkeypatch):
+    """20 rows in batches of 3 (7 batches): when the first batch comes back, the driver has read only the
+    batches the two engines hold (two each) and the one that replaces it, not the whole input."""
+    batches_of, read, seen = ray_executor.batches_of, [], []
+
+    def counted(rows, batch_rows):
+        for batch in batches_of(rows, batch_rows):
+            read.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(ray_executor, "batches_of", counted)
+    monkeypatch.setattr(ray_executor, "after_batch", lambda collector: seen.append(len(read)))
+    assert generate(prompts, tmp_path, *RAY).to_pylist() == local_rows
+    assert seen[0] == 2 * ray_executor.IN_FLIGHT_PER_ENGINE + 1 < len(read) == 7 and sum(read) == NUM_ROWS
+
+
 def test_an_engine_killed_mid_run_is_restarted_and_each_row_written_once(cluster, prompts, local_rows, tmp_path,
                                                                          monkeypatch):
     """Once the driver has taken its first batch (of one row: the engines are nearly always inside a batch),
@@ -181,10 +197,17 @@ def test_an_engines_own_error_stops_the_job_with_its_message(cluster, prompts, q
 def test_without_a_gpu_the_number_of_engines_must_be_set(cluster):
     with pytest.raises(ConfigError, match=r"executor.num_engines: Ray sees 0 GPUs, so there is no default .* set "
                                           r"executor.num_engines \(with executor.gpus_per_engine=0"):
-        ray_executor.engine_count(config("executor=ray").executor)
+        engine_count("executor=ray")
     with pytest.raises(ConfigError, match="executor.num_engines 2 x executor.gpus_per_engine 1 needs 2 GPUs, Ray sees 0"):
-        ray_executor.engine_count(config("executor=ray", "executor.num_engines=2").executor)
-    assert ray_executor.engine_count(config(*RAY).executor) == 2
+        engine_count("executor=ray", "executor.num_engines=2")
+    with pytest.raises(ConfigError, match="executor.num_engines 2 x executor.gpus_per_engine 2 needs 4 GPUs, Ray sees 0"):
+        engine_count("executor=ray", "executor.num_engines=2", "model.tensor_parallel_size=2")  # a GPU per rank
+    assert engine_count(*RAY) == 2
+
+
+def engine_count(*overrides) -> int:
+    cfg = config(*overrides)
+    return ray_executor.engine_count(cfg.executor, ray_executor.gpus_per_engine(cfg))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -201,7 +224,7 @@ def test_bad_executor_overrides_get_a_message_naming_the_key(overrides, message)
 
 @pytest.mark.parametrize("override, message", [
     ("executor.num_engines=0", "executor.num_engines must be >= 1 or null (one per GPU), got 0"),
-    ("executor.gpus_per_engine=-1", "executor.gpus_per_engine must be >= 0, got -1.0"),
+    ("executor.gpus_per_engine=-1", "executor.gpus_per_engine must be >= 0 or null, got -1.0"),
     ("executor.batch_size=0", "executor.batch_size must be >= 1, got 0"),
     ("executor.address=' '", "executor.address must be a Ray address such as auto"),
 ])
