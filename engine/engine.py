@@ -86,6 +86,10 @@ class LLMEngine:
         self.max_model_len = cfg.model.max_model_len
         self.device, self.dtype = resolve_device(cfg.model)
         self.parallel = cfg.model.tensor_parallel_size > 1
+        sized_by_trial = cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None
+        if self.parallel and self.device.type == "cuda" and sized_by_trial:  # the workers take no part in the trial
+            raise ConfigError("model.tensor_parallel_size > 1 on CUDA needs cache.kv_budget_gb (each rank's) "
+                              "or cache.num_blocks")
         if self.parallel:  # its ranks' shares, the workers started (engine/parallel.py)
             self.model = build_parallel_model(cfg.model, self.device, self.dtype, cfg.scheduler.step_timeout_s)
             config_eos = self.model.eos_token_ids
@@ -108,10 +112,7 @@ class LLMEngine:
         max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         kv_dtype = cache_dtype(cfg.cache.kv_cache_dtype, self.dtype, self.device)
         free_bytes = None
-        if self.device.type == "cuda" and cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None:
-            if self.parallel:  # the pool is sized by a trial forward, which the workers do not take part in
-                raise ConfigError("model.tensor_parallel_size > 1 on CUDA needs cache.kv_budget_gb (each rank's) "
-                                  "or cache.num_blocks")
+        if self.device.type == "cuda" and sized_by_trial:
             free_bytes = kv_bytes_left(self.model, self.device, cfg.cache.gpu_memory_utilization,
                                        max_num_batched_tokens, max_num_seqs)
         per_block = bytes_per_block(self.model.kv_cache_spec, self.block_size, kv_dtype)

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -130,8 +131,11 @@ class TensorParallelModel:
                         for rank in range(1, world)]
         for worker in self.workers:
             worker.start()
+        groups = {}  # the command group, once joined: what _shutdown needs, without a reference to self
+        self._stop = weakref.finalize(self, _shutdown, self.workers, groups)
         try:
             collectives, self._commands = self._guarded(_join_group, 0, world, address, device, timeout_s)
+            groups["commands"] = self._commands
             self.local, self.eos_token_ids = build_model(model_cfg, device, dtype)
             shard_model(self.local, collectives)
         except BaseException:
@@ -171,20 +175,9 @@ class TensorParallelModel:
         return kv_cache
 
     def close(self) -> None:
-        """Stop the workers (killed if they do not stop) and leave the groups."""
-        if dist.is_initialized():
-            try:
-                if all(w.is_alive() for w in self.workers):
-                    dist.broadcast_object_list([("stop",)], src=0, group=self._commands)
-            except (RuntimeError, AttributeError):
-                pass
-            dist.destroy_process_group()
-        for worker in self.workers:
-            worker.join(JOIN_TIMEOUT_S)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
-        self.workers = []
+        """Stop the workers (killed if they do not stop) and leave the groups; also done when this object is
+        collected (an engine whose construction failed after its model) and at the interpreter's exit."""
+        self._stop()
 
     def _send(self, command: str, *args) -> None:
         self._raise_if_a_worker_exited()
@@ -206,6 +199,21 @@ class TensorParallelModel:
             if worker.exitcode is not None:
                 raise WorkerError(f"tensor parallel: the worker of rank {rank} (pid {worker.pid}) exited with "
                                   f"code {worker.exitcode}; the run stops")
+
+
+def _shutdown(workers: list, groups: dict) -> None:
+    if dist.is_initialized():
+        try:
+            if "commands" in groups and all(w.is_alive() for w in workers):
+                dist.broadcast_object_list([("stop",)], src=0, group=groups["commands"])
+        except RuntimeError:
+            pass  # a worker gone meanwhile: it is joined or killed below
+        dist.destroy_process_group()
+    for worker in workers:
+        worker.join(JOIN_TIMEOUT_S)
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
 def build_parallel_model(model_cfg, device: torch.device, dtype: torch.dtype, timeout_s: float | None

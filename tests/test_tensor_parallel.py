@@ -2,6 +2,8 @@
 two gloo processes gives greedy float32 outputs token-exact with transformers' unsplit model, with prefix
 caching, preemption, n > 1 and a mixture of experts; a worker that dies stops the run naming it, and a job
 keeps the rows that finished before."""
+import gc
+import multiprocessing
 import os
 import signal
 from contextlib import contextmanager
@@ -85,6 +87,16 @@ def test_a_size_that_does_not_divide_the_heads_is_named(qwen3_checkpoint):
     assert not torch.distributed.is_initialized()  # the workers stopped: another engine can start
     with pytest.raises(ConfigError, match=r"model.tensor_parallel_size must be >= 1, got 0"):
         LLM(str(qwen3_checkpoint[0]), device="cpu", tensor_parallel_size=0)
+
+
+def test_an_engine_that_fails_after_its_model_stops_its_workers(qwen3_checkpoint, tmp_path):
+    """The tokenizer is loaded after the model's ranks started: its error leaves no group or worker behind."""
+    with pytest.raises(ConfigError, match="model.tokenizer"):
+        LLM(str(qwen3_checkpoint[0]), dtype="float32", device="cpu", tensor_parallel_size=2,
+            tokenizer=str(tmp_path / "missing"))
+    gc.collect()
+    assert not torch.distributed.is_initialized()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("minipaged-tp-")]
 
 
 def test_a_worker_that_dies_stops_the_run_naming_it(qwen3_checkpoint, prompts_and_reference):
