@@ -132,6 +132,14 @@ def test_the_rows_stream_to_the_engines_as_they_free_up(cluster, prompts, local_
     assert seen[0] == 2 * ray_executor.IN_FLIGHT_PER_ENGINE + 1 < len(read) == 7 and sum(read) == NUM_ROWS
 
 
+def test_an_engine_of_two_tensor_parallel_ranks_is_a_configuration(cluster, prompts, local_rows, tmp_path):
+    """One Ray engine whose model is split over two CPU ranks (its workers are the actor's own processes)."""
+    table = generate(prompts, tmp_path, "executor=ray", "executor.num_engines=1", "executor.gpus_per_engine=0",
+                     "model.tensor_parallel_size=2")
+    assert table.to_pylist() == local_rows
+    assert stats(tmp_path)[1]["num_engines"] == 1
+
+
 def test_an_engine_killed_mid_run_is_restarted_and_each_row_written_once(cluster, prompts, local_rows, tmp_path,
                                                                          monkeypatch):
     """Once the driver has taken its first batch (of one row: the engines are nearly always inside a batch),
