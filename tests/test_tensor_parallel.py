@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from conftest import draw_norm_weights
 from engine import parallel
 from engine.errors import ConfigError
 from engine.llm import LLM, SamplingParams
@@ -77,6 +78,28 @@ def test_two_ranks_of_a_mixture_of_experts_match_transformers(tmp_path):
     assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
     with split_llm(path) as llm:
         assert llm.engine.model.local.model.layers[0].mlp.experts.gate_up_proj.shape == (8, 48, 96)
+        assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
+
+
+def test_two_ranks_of_a_llama_with_biases_and_an_untied_head_match_transformers(tmp_path):
+    """Llama 3's RoPE, an untied head, and every projection with a bias drawn non-zero: q/k/v's and gate/up's
+    split with their rows, o's and down's added once, after the sum."""
+    from test_models import llama, save
+
+    torch.manual_seed(99)
+    hf_model = draw_norm_weights(llama(attention_bias=True, mlp_bias=True)).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+    path = save(hf_model, tmp_path / "llama")
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (3, 12, 33)]
+    expected, gap = reference_outputs(hf_model, prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    with split_llm(path) as llm:
+        attn = llm.engine.model.local.model.layers[0].self_attn
+        assert attn.qkv_proj.output_sizes == [32, 16, 16] and attn.o_proj.bias is not None
         assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
 
 
