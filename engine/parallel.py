@@ -32,6 +32,8 @@ from engine.models.tensor_parallel import Collectives, shard_model
 
 log = logging.getLogger("minipaged")
 JOIN_TIMEOUT_S = 10.0  # a worker that does not stop this long after the stop command is killed
+# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM: on shared hosts it can take the GPUs out of service
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class WorkerError(UserError):
@@ -224,5 +226,6 @@ def build_parallel_model(model_cfg, device: torch.device, dtype: torch.dtype, ti
     if dist.is_initialized():
         raise ConfigError("model.tensor_parallel_size: another tensor-parallel engine of this process is still "
                           "open; close it first (LLM.close)")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the machines' rule)
+    for name, off in NO_MULTICAST.items():  # the workers inherit them
+        os.environ.setdefault(name, off)
     return TensorParallelModel(model_cfg, device, dtype, timeout_s or 1800.0)
