@@ -87,6 +87,9 @@ if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the fir
       grep -E "start-up|output tok/s" | tee -a "$out/startup.log"
     echo "$run: process wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$out/startup.log"
   done
+  # what the 12-13 s before the engine are: the imports' cumulative times, largest first
+  python3 -X importtime -c "import jobs.cli, jobs.generate, jobs.bench, engine.engine" 2>&1 >/dev/null |
+    sort -t'|' -k2 -n -r | head -25 | tee -a "$out/startup.log"
 fi
 want moe && { python3 benchmarks/moe_op.py --save 2>&1 | grep -v Warn | tee "$out/moe_op.log"
   MODEL=qwen3-30b-a3b bench nano_moe job.workload=nano; steps $runs/nano_moe/steps.parquet; }
