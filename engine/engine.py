@@ -129,7 +129,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
         graph_batch = 0 if eager else max_num_seqs
-        piece_tokens = max_num_batched_tokens if piecewise_graphs_on(cfg.model, self.device) and not self.parallel else 0
+        piece_tokens = max_num_batched_tokens if piecewise_graphs_on(cfg.model, self.device) and not eager else 0
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
                                   self.eos_token_ids, cascade, piece_tokens, cfg.scheduler.step_timeout_s)
         if self.runner.pieces is not None:

@@ -47,9 +47,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def check_world(world: int, device: torch.device) -> None:
-    """ConfigError naming model.tensor_parallel_size unless this machine has its devices."""
-    if world < 1:
-        raise ConfigError(f"model.tensor_parallel_size must be >= 1, got {world}")
+    """ConfigError naming model.tensor_parallel_size unless this machine has its devices (the config's check
+    made it >= 1)."""
     if device.type == "cuda" and world > torch.cuda.device_count():
         raise ConfigError(f"model.tensor_parallel_size {world} needs {world} GPUs, this machine has "
                           f"{torch.cuda.device_count()}")
@@ -143,7 +142,6 @@ class TensorParallelModel:
         except BaseException:
             self.close()
             raise
-        self.device, self.world = device, world
         self.arch, self.kv_cache_spec = self.local.arch, self.local.kv_cache_spec
         log.info("tensor parallel: %d ranks (workers' pids %s)", world, [w.pid for w in self.workers])
 
@@ -153,9 +151,6 @@ class TensorParallelModel:
 
     def weight_footprint(self):
         return self.local.weight_footprint()
-
-    def parameters(self):
-        return self.local.parameters()
 
     def __call__(self, input_ids, positions, kv_cache, meta):
         self._send("forward", input_ids, positions, meta)
