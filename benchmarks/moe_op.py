@@ -4,10 +4,10 @@ its tokens route to (uniform routing, each token 8 distinct experts), and the sh
 would be (48 layers). At each block_m, each kernel's tiles are swept with the other's at its default (the two
 kernels run one after the other, so their best tiles combine); the best combination is timed again and, with
 --save, written to the op's tuned table (ops/moe_tuned/<key>.json, which ops.moe.moe_launch reads). Every
-candidate's output is checked against the default launch's. Times are medians of CUDA-event pairs over
-REPEATS calls, after one warm-up call that compiles.
-Usage: python3 benchmarks/moe_op.py [--save] [T ...]   (default T: 1 4 16 ... 16384; block_m above 16 only where
-       the experts average that many pairs)
+candidate's output is checked against the default launch's. Times are medians over REPEATS replays of a
+CUDA graph of GRAPH_CALLS calls (as decode runs the op), after one warm-up call that compiles.
+Usage: python3 benchmarks/moe_op.py [--save] [T ...]   (default T: SWEPT_TOKENS; block_m above 16 only where
+       the experts average half as many pairs or more: an expert's pairs then fit one block, its weights read once)
 """
 import json
 import statistics
@@ -22,8 +22,10 @@ from ops.moe import DEFAULT_LAUNCH, DEFAULT_TILES, TUNED_DIR, Launch, Tiles, moe
 
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 48
 REPEATS = 10
+GRAPH_CALLS = 8  # calls a timed graph holds
 COPY_BYTES_PER_S = 4.2e12  # the H200's measured copy speed (engine/hardware.py's, as the bench logs it)
 BLOCK_M = (16, 32, 64, 128)
+SWEPT_TOKENS = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]  # every decode batch size has one near
 GATE_UP = [Tiles(n, k, w, s) for n, k, w, s in
            [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
             (128, 128, 8, 3)]]
@@ -32,15 +34,22 @@ DOWN = [Tiles(n, k, w, s) for n, k, w, s in
 
 
 def timed_us(call) -> float:
+    """The median of REPEATS timings of call() replayed from a CUDA graph (decode runs it so: eager timings
+    of small T measure the host's launches), each of GRAPH_CALLS calls."""
     call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            call()
+    graph.replay()
     times = []
     for _ in range(REPEATS):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
-        call()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3)
+        times.append(begin.elapsed_time(end) * 1e3 / GRAPH_CALLS)
     return statistics.median(times)
 
 
@@ -62,7 +71,7 @@ def best_launch(x, gate_up, down, weights, ids) -> tuple[Launch, float, float]:
         return timed_us(call)
 
     estimates, pairs_per_expert = [], x.shape[0] * TOP_K / EXPERTS
-    for block_m in (m for m in BLOCK_M if m == BLOCK_M[0] or m <= pairs_per_expert):  # no block mostly padding
+    for block_m in (m for m in BLOCK_M if m == BLOCK_M[0] or m <= 2 * pairs_per_expert):  # not mostly padding
         base = time_of(Launch(block_m))
         up_us, up = min((time_of(Launch(block_m, t, DEFAULT_TILES)), t) for t in GATE_UP)
         down_us, down_tiles = min((time_of(Launch(block_m, DEFAULT_TILES, t)), t) for t in DOWN)
@@ -99,4 +108,4 @@ def main(token_counts: list[int], save: bool) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--save"]
-    main([int(t) for t in args] or [4 ** i for i in range(8)], "--save" in sys.argv[1:])
+    main([int(t) for t in args] or SWEPT_TOKENS, "--save" in sys.argv[1:])

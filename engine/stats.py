@@ -189,6 +189,9 @@ class FloorModel:
     num_layers: int
     num_q_heads: int
     head_dim: int
+    expert_bytes: int = 0  # one expert of every sparse layer (a mixture of experts; 0: dense)
+    num_experts: int = 0  # E of each sparse layer
+    experts_per_token: int = 0  # k: weight_bytes_per_step holds k experts of each sparse layer
 
 
 def floor_model(model, kv_bytes_per_token: int) -> FloorModel:
@@ -197,7 +200,34 @@ def floor_model(model, kv_bytes_per_token: int) -> FloorModel:
     weights, arch = model.weight_footprint(), model.arch
     return FloorModel(nonembed_params=weights.nonembed_params, lm_head_params=weights.lm_head_params,
                       weight_bytes_per_step=weights.bytes_per_step, kv_bytes_per_token=kv_bytes_per_token,
-                      num_layers=arch.num_hidden_layers, num_q_heads=arch.num_attention_heads, head_dim=arch.head_dim)
+                      num_layers=arch.num_hidden_layers, num_q_heads=arch.num_attention_heads, head_dim=arch.head_dim,
+                      expert_bytes=weights.expert_bytes, num_experts=weights.num_experts,
+                      experts_per_token=weights.experts_per_token)
+
+
+def expected_experts(tokens, num_experts: int, experts_per_token: int):
+    """The expected number of distinct experts `tokens` tokens route to when each picks experts_per_token of
+    num_experts uniformly at random: E (1 - (1 - k / E)^B), an expert being missed by a token with
+    probability 1 - k / E. k for one token, E in the limit; concave in B. tokens: an int or an array."""
+    return num_experts * (1.0 - (1.0 - experts_per_token / num_experts) ** np.asarray(tokens, dtype=np.float64))
+
+
+def weight_reads_bytes(outputs: list[int], model: FloorModel) -> float:
+    """The weight bytes of the floor's forward passes: max O passes, pass j (1-based) carrying the B_j rows
+    whose O >= j, each reading every dense weight and, of each sparse layer, the experts its rows route to
+    (expected_experts(B_j) under uniform routing; a dense model: max O x weight_bytes_per_step).
+    Any schedule's passes carry token counts b_1, b_2, ... that B majorizes (its first m passes hold at most
+    sum over rows of min(O, m) tokens, which B's first m hold), so by Karamata's inequality for the concave
+    expected_experts the sum over B is the least expected count of any schedule. Prompt tokens, which a
+    prefill pass adds, can only touch more experts: not counted."""
+    if not outputs:
+        return 0.0
+    passes = max(outputs)
+    if not model.num_experts:
+        return float(passes * model.weight_bytes_per_step)
+    rows_at = np.cumsum(np.bincount(outputs, minlength=passes + 1)[::-1])[::-1][1:]  # B_j for j = 1..max O
+    extra = expected_experts(rows_at, model.num_experts, model.experts_per_token) - model.experts_per_token
+    return float(passes * model.weight_bytes_per_step + model.expert_bytes * extra.sum())
 
 
 def _triangle(n):
@@ -275,7 +305,10 @@ def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_fl
                                                                   logits for each distinct prompt's last token;
                                                                   decode: the position p token attends p + 1 keys)
     bytes  = max O * weight_bytes_per_step                       (a row's O tokens need O forward passes in turn,
-                                                                  each reading the weights at least once)
+                                                                  each reading the weights at least once;
+             + expert_bytes * sum over passes j of                 a mixture of experts: pass j's B_j rows
+               (expected_experts(B_j) - k)                          route to more than one token's k experts,
+                                                                  weight_reads_bytes)
              + (R + sum over rows of D (D + 1) / 2) * kv_bytes_per_token      (K/V read: a prompt's by the steps
                                                                   of the rows sharing it, once a step; a row's own
                                                                   outputs by its own later steps)
@@ -295,6 +328,6 @@ def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_fl
             _triangle(len(prompt) + d) - _triangle(len(prompt)))
     kv_reads = prompt_reads + sum(_triangle(d) for d in decode)
     kv_bytes = (kv_reads + nodes + sum(decode)) * model.kv_bytes_per_token
-    weight_bytes = max(outputs, default=0) * model.weight_bytes_per_step
+    weight_bytes = weight_reads_bytes(outputs, model)
     parts = {"floor_flops_s": flops / matmul_flop_per_s, "floor_bytes_s": (weight_bytes + kv_bytes) / copy_bytes_per_s}
     return {"floor_s": max(parts.values()), **parts, "floor_prompt_tokens": nodes, "floor_kv_read_tokens": kv_reads}

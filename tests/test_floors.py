@@ -11,7 +11,7 @@ from engine import hardware
 from engine.hardware import device_rates
 from engine.models.loader import build_model
 from engine.sequence import SamplingParams
-from engine.stats import FloorModel, floor_model, workload_floor_s
+from engine.stats import FloorModel, expected_experts, floor_model, weight_reads_bytes, workload_floor_s
 from jobs.bench import floor_summary
 
 # N = 100 non-embedding parameters, lm_head H = 10, 4-byte weights: a forward pass reads (100 + 10) * 4 = 440
@@ -100,6 +100,45 @@ def test_floor_grows_with_the_work_and_shrinks_with_sharing(rows, index):
     unshared = [([9 + j] + p, o) for j, (p, o) in enumerate(rows)]  # no two prompts share a first token
     assert workload_floor_s(unshared, SMALL, 50.0, 100.0)["floor_s"] >= floor
     assert workload_floor_s(rows, SMALL, 100.0, 200.0)["floor_s"] == pytest.approx(floor / 2)  # twice the rates
+
+
+# -- a mixture of experts: the experts a pass's rows route to -----------------------------------------------
+# SMALL with 4 experts of 30 bytes (over every sparse layer), 2 a token: its 440 bytes hold 2 experts' 60
+MOE = FloorModel(nonembed_params=100, lm_head_params=10, weight_bytes_per_step=440, kv_bytes_per_token=8,
+                 num_layers=1, num_q_heads=1, head_dim=2, expert_bytes=30, num_experts=4, experts_per_token=2)
+
+
+def test_expected_experts_against_random_routing():
+    """E (1 - (1 - k/E)^B) against the mean distinct count of B tokens each drawing k of E experts at random."""
+    generator = torch.Generator().manual_seed(0)
+    for experts, k, tokens in [(4, 2, 1), (4, 2, 3), (8, 2, 5), (128, 8, 16), (128, 8, 64)]:
+        picks = torch.rand(20000, tokens, experts, generator=generator).argsort(-1)[..., :k]
+        touched = torch.zeros(20000, experts).scatter_(1, picks.reshape(20000, -1), 1.0).sum(1)
+        assert expected_experts(tokens, experts, k) == pytest.approx(touched.mean().item(), rel=0.01)
+
+
+def test_moe_floor_by_hand():
+    """Rows of O = 3 and 1: pass 1 carries both rows, passes 2 and 3 one. Two tokens touch 4 (1 - 1/4) = 3
+    experts, one more than one token's 2: weights 3 x 440 + 1 x 30 bytes; K/V as for SMALL."""
+    rows = [([1, 2, 3], 3), ([4, 5], 1)]
+    moe, dense = workload_floor_s(rows, MOE, 1.0, 1e9), workload_floor_s(rows, SMALL, 1.0, 1e9)
+    assert moe["floor_bytes_s"] - dense["floor_bytes_s"] == pytest.approx(30.0)
+    assert moe["floor_flops_s"] == dense["floor_flops_s"]  # each token multiplies its k experts either way
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(0, 6), st.randoms(use_true_random=False))
+def test_no_schedule_touches_fewer_experts(outputs, spare_passes, random):
+    """Any schedule (each row's O tokens in O distinct passes, in order, over max O + spare passes) expects at
+    least weight_reads_bytes' experts: E[distinct] summed over its passes."""
+    passes = max(outputs) + spare_passes
+    carried = [0] * passes
+    for o in outputs:
+        for p in random.sample(range(passes), o):
+            carried[p] += 1
+    expected = sum(MOE.weight_bytes_per_step + MOE.expert_bytes * (expected_experts(b, 4, 2) - 2)
+                   for b in carried if b)
+    assert weight_reads_bytes(outputs, MOE) <= expected + 1e-9
 
 
 def test_model_numbers_by_hand(make_config):

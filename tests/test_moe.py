@@ -273,7 +273,8 @@ def test_random_weights_of_a_moe_shape_run_as_their_transformers_model(prompts):
 def test_the_floor_counts_the_experts_a_token_reads(make_config):
     """weight_footprint by hand for a 2-layer MoE (hidden 64, 4 query and 2 KV heads of 16, 4 experts of 32,
     2 a token, tied head of 257 x 64): per layer q and o 64 x 64, k and v 64 x 32, QK-norms 2 x 16, the two
-    norms 2 x 64, the router 4 x 64, and 2 of the 4 experts' 3 x 64 x 32; the final norm 64; float32."""
+    norms 2 x 64, the router 4 x 64, and 2 of the 4 experts' 3 x 64 x 32; the final norm 64; float32. One
+    expert of both layers: 2 x 3 x 64 x 32 parameters."""
     from engine.models.decoder import WeightFootprint
     from engine.models.loader import build_model
 
@@ -283,4 +284,6 @@ def test_the_floor_counts_the_experts_a_token_reads(make_config):
     layer = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 16 + 2 * 64 + 4 * 64 + 2 * 3 * 64 * 32
     nonembed = 2 * layer + 64
     assert model.weight_footprint() == WeightFootprint(nonembed_params=nonembed, lm_head_params=257 * 64,
-                                                       bytes_per_step=(nonembed + 257 * 64) * 4)
+                                                       bytes_per_step=(nonembed + 257 * 64) * 4,
+                                                       expert_bytes=2 * 3 * 64 * 32 * 4, num_experts=4,
+                                                       experts_per_token=2)

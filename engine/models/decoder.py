@@ -181,11 +181,17 @@ class WeightFootprint:
     parameters but the token embedding and the lm_head (norms included, the folded ones too); lm_head_params:
     vocab * hidden, also when the head is tied to the embedding (the logits' matmul happens anyway);
     bytes_per_step: the bytes of both, each parameter by its dtype, a tied weight once (of the embedding a
-    pass reads only its tokens' rows: not counted)."""
+    pass reads only its tokens' rows: not counted). A mixture of experts counts experts_per_token of its
+    num_experts experts in each sparse layer (what one token reads); expert_bytes: the bytes of one expert
+    in every sparse layer together (0 for a dense model), which the floor adds for each further expert a
+    step's tokens route to."""
 
     nonembed_params: int
     lm_head_params: int
     bytes_per_step: int
+    expert_bytes: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
 
 
 class DecoderForCausalLM(nn.Module):
@@ -263,18 +269,22 @@ class DecoderForCausalLM(nn.Module):
     def weight_footprint(self) -> WeightFootprint:
         """The footprint of a model whose norms are folded (build_model's): a folded norm counts as the
         hidden_size parameters it was, in the model's dtype. A mixture-of-experts layer's experts count
-        num_experts_per_tok of num_experts: what one token reads and multiplies, the least a forward pass
-        reads of them (so the floor stays a bound whatever the routing)."""
+        num_experts_per_tok of num_experts: what one token reads and multiplies (expert_bytes: one expert
+        of every sparse layer, for the floor's count of the experts a batch touches)."""
         embed, head = self.model.embed_tokens.weight, self.lm_head.weight
         weights = [p for p in self.parameters() if p is not embed or p is head]  # a tied weight once
         folded = len(FOLDED_NORMS) * self.arch.num_hidden_layers * self.arch.hidden_size
         params = sum(p.numel() for p in weights) + folded
         nbytes = sum(p.numel() * p.element_size() for p in weights) + folded * self.dtype.itemsize
-        for mlp in (layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)):
-            for stacked in mlp.experts.parameters():  # [E, ...]: the unrouted experts' share
-                unread = stacked.numel() // stacked.shape[0] * (stacked.shape[0] - mlp.top_k)
+        expert_bytes, sparse = 0, None
+        for sparse in (layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)):
+            for stacked in sparse.experts.parameters():  # [E, ...]: the unrouted experts' share
+                one = stacked.numel() // stacked.shape[0]
+                unread = one * (stacked.shape[0] - sparse.top_k)
                 params, nbytes = params - unread, nbytes - unread * stacked.element_size()
-        return WeightFootprint(params - head.numel(), head.numel(), nbytes)
+                expert_bytes += one * stacked.element_size()
+        experts = (0, 0) if sparse is None else (sparse.experts.gate_up_proj.shape[0], sparse.top_k)
+        return WeightFootprint(params - head.numel(), head.numel(), nbytes, expert_bytes, *experts)
 
     @torch.no_grad()
     def fold_norm_weights(self, apart=frozenset()) -> None:
