@@ -216,7 +216,7 @@ def weight_reads_bytes(outputs: list[int], model: FloorModel) -> float:
     """The weight bytes of the floor's forward passes: max O passes, pass j (1-based) carrying the B_j rows
     whose O >= j, each reading every dense weight and, of each sparse layer, the experts its rows route to
     (expected_experts(B_j) under uniform routing; a dense model: max O x weight_bytes_per_step).
-    Any schedule's passes carry token counts b_1, b_2, ... that B majorizes (its first m passes hold at most
+    Any schedule's passes carry token counts b_1, b_2, ... that B majorizes (any m of its passes hold at most
     sum over rows of min(O, m) tokens, which B's first m hold), so by Karamata's inequality for the concave
     expected_experts the sum over B is the least expected count of any schedule. Prompt tokens, which a
     prefill pass adds, can only touch more experts: not counted."""
