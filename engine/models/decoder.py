@@ -276,14 +276,15 @@ class DecoderForCausalLM(nn.Module):
         folded = len(FOLDED_NORMS) * self.arch.num_hidden_layers * self.arch.hidden_size
         params = sum(p.numel() for p in weights) + folded
         nbytes = sum(p.numel() * p.element_size() for p in weights) + folded * self.dtype.itemsize
-        expert_bytes, sparse = 0, None
-        for sparse in (layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)):
-            for stacked in sparse.experts.parameters():  # [E, ...]: the unrouted experts' share
+        sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)]
+        expert_bytes = 0
+        for mlp in sparse:
+            for stacked in mlp.experts.parameters():  # [E, ...]: the unrouted experts' share
                 one = stacked.numel() // stacked.shape[0]
-                unread = one * (stacked.shape[0] - sparse.top_k)
+                unread = one * (stacked.shape[0] - mlp.top_k)
                 params, nbytes = params - unread, nbytes - unread * stacked.element_size()
                 expert_bytes += one * stacked.element_size()
-        experts = (0, 0) if sparse is None else (sparse.experts.gate_up_proj.shape[0], sparse.top_k)
+        experts = (sparse[0].experts.gate_up_proj.shape[0], sparse[0].top_k) if sparse else (0, 0)
         return WeightFootprint(params - head.numel(), head.numel(), nbytes, expert_bytes, *experts)
 
     @torch.no_grad()
