@@ -1,6 +1,6 @@
 """Tokenizers: model.tokenizer's, a checkpoint's own, or for random models a byte-level one (256 byte tokens + <|endoftext|>) with a
 ChatML-like chat template."""
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from engine.errors import ConfigError
 from engine.models.loader import TOKENIZER_FILES, resolve_checkpoint, resolve_model_path
@@ -39,6 +39,8 @@ def load_tokenizer(model_cfg):
         key, path = "model.path", resolve_model_path(model_cfg)
     if path is None:
         return random_model_tokenizer()
+    from transformers import AutoTokenizer  # its auto classes took ~5 s of a job's imports on the H200's host
+
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:  # tokenizers and transformers raise many kinds for a broken file

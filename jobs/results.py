@@ -47,7 +47,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import decoders
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.generation_config import read_generation_config, resolve_sampling
 from engine.models.loader import HUB_FILES, resolve_model_path
@@ -347,6 +346,8 @@ class TokenPieces:
     added token or another tokenizer's, its text's UTF-8."""
 
     def __init__(self, tokenizer):
+        from transformers.convert_slow_tokenizer import bytes_to_unicode  # slow to import; few jobs need it
+
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.byte_of = {c: b for b, c in bytes_to_unicode().items()} \

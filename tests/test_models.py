@@ -10,6 +10,8 @@ from test_oracle import engine_outputs, reference_outputs
 
 from engine.errors import ConfigError
 from engine.models.decoder import WeightFootprint
+from engine.models import loader
+from engine.models.decoder import FOLDED_NORMS
 from engine.models.loader import build_model, model_spec, to_hf_model, unpacked_state_dict
 from engine.models.registry import MODELS
 from engine.models.rope import Rope, inverse_frequencies, rope_from_config
@@ -169,6 +171,77 @@ def test_a_tensor_without_a_place_is_named(make_config, tmp_path):
     (path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ConfigError, match=r"holds model.layers.0.self_attn.[qkv]_proj.bias, which LlamaForCausalLM"):
         build_model(make_config(f"model.path={path}").model, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("tied", ["false", "true"])
+def test_random_weights_are_one_seeded_draw_in_parameter_order(make_config, tied):
+    """build_model draws part by part; the weights are those of one generator run over a whole model's
+    parameters in order, norms one and biases zero (the folded norms, ones, change no projection)."""
+    cfg = make_config("model.num_hidden_layers=3", f"model.tie_word_embeddings={tied}").model
+    model, _ = build_model(cfg, torch.device("cpu"), torch.float32)
+    cls, arch, _ = model_spec(cfg, None)
+    generator, expected = torch.Generator().manual_seed(cfg.seed), {}
+    for name, param in cls(arch, cfg.max_model_len).named_parameters():
+        expected[name] = torch.ones(param.shape) if "norm" in name else torch.zeros(param.shape) \
+            if name.endswith("bias") else torch.randn(param.shape, generator=generator) * cfg.initializer_range
+    actual = dict(model.named_parameters())
+    folded = {f"model.layers.{i}.{norm}.weight" for i in range(3) for norm in FOLDED_NORMS}
+    assert set(actual) == set(expected) - folded
+    for name, tensor in actual.items():
+        assert torch.equal(tensor, expected[name]), name
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (tied == "true")
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_the_build_holds_one_part_in_float32_at_a_time(make_config, monkeypatch, quantization):
+    """While build_model draws a part's weights, the parts before it are finished (in the run's dtype) and
+    the parts after it have no storage yet (meta): a build needs one part's float32 beyond the model."""
+    parts_of, draw, states, built = loader.model_parts, loader.init_random_weights, [], {}
+
+    def kind(module):
+        param = next(module.parameters())
+        return "meta" if param.is_meta else param.dtype
+
+    def recording_parts(model):
+        built["parts"] = parts_of(model)
+        return built["parts"]
+
+    def recording_draw(part, *args):
+        states.append([kind(module) for _, module in built["parts"]])
+        draw(part, *args)
+
+    monkeypatch.setattr(loader, "model_parts", recording_parts)
+    monkeypatch.setattr(loader, "init_random_weights", recording_draw)
+    cfg = make_config("model.num_hidden_layers=3", f"model.quantization={quantization}").model
+    model, _ = build_model(cfg, torch.device("cpu"), torch.bfloat16)
+    count = len(built["parts"])
+    assert states == [[torch.bfloat16] * k + [torch.float32] + ["meta"] * (count - k - 1) for k in range(count)]
+    assert all(not tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
+    assert model.model.rotary.cos.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the allocator's peak)")
+def test_an_fp8_build_peaks_at_a_few_parts_beyond_the_model(make_config):
+    """model.quantization=fp8 on CUDA in bfloat16: the allocator's peak exceeds the finished model by at
+    most three times its largest part in float32 (a layer in float32, its FP8 copy, its bfloat16 cast and
+    the rounding's temporaries); a model built whole in float32 first would exceed it by ~3 bytes a weight."""
+    cfg = make_config("model.num_hidden_layers=16", "model.hidden_size=512", "model.intermediate_size=1536",
+                      "model.num_attention_heads=8", "model.num_key_value_heads=4", "model.head_dim=64",
+                      "model.quantization=fp8").model
+    cls, arch, _ = model_spec(cfg, None)
+    with torch.device("meta"):
+        layout = cls(arch, cfg.max_model_len)
+    largest = max(sum(p.numel() for p in part.parameters()) * 4 for _, part in loader.model_parts(layout))
+    device = torch.device("cuda")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    model, _ = build_model(cfg, device, torch.bfloat16)
+    finished = torch.cuda.memory_allocated(device) - before
+    peak = torch.cuda.max_memory_allocated(device) - before
+    whole_fp32 = sum(p.numel() for p in layout.parameters()) * 4
+    assert peak - finished <= 3 * largest + (8 << 20) < whole_fp32 - finished
+    del model
 
 
 @pytest.mark.parametrize("architecture, tied, nonembed", [

@@ -13,7 +13,7 @@ and says how its config.json sets the flags (arch_options) and how transformers'
 reads them back (config_options, for to_hf_model). What the engine uses of a model: forward and its
 pieces (num_pieces, piece, attend: engine/cuda_graphs.py's PiecewiseGraphs), compute_logits, kv_cache_spec,
 arch (sizes), dtype and weight_footprint (the bench's floor); the loader: packed_modules_mapping, each
-PackedLinear's shards, fold_norm_weights and FOLDED_NORMS.
+PackedLinear's shards, each layer's fold_norm_weights and FOLDED_NORMS.
 """
 from dataclasses import dataclass
 
@@ -139,7 +139,9 @@ class DecoderLayer(nn.Module):
         return hidden
 
     def fold_norm_weights(self, apart=frozenset()) -> None:
-        """apart: the projections whose weights go to FP8 (RMSNorm.fold_into's)."""
+        """The two RMSNorm weights into the projections after them, the norms removed: the function the layer
+        computes is unchanged; to_hf_model gives the norms back as ones (or as the input_weight of the
+        projections in apart, whose weights go to FP8: RMSNorm.fold_into's)."""
         self.input_layernorm.fold_into(self.self_attn.qkv_proj, self.self_attn.qkv_proj in apart)
         self.mlp.fold_norm(self.post_attention_layernorm, apart)
         for name in FOLDED_NORMS:
@@ -286,14 +288,6 @@ class DecoderForCausalLM(nn.Module):
                 expert_bytes += one * stacked.element_size()
         experts = (sparse[0].experts.gate_up_proj.shape[0], sparse[0].top_k) if sparse else (0, 0)
         return WeightFootprint(params - head.numel(), head.numel(), nbytes, expert_bytes, *experts)
-
-    @torch.no_grad()
-    def fold_norm_weights(self, apart=frozenset()) -> None:
-        """Each layer's two RMSNorm weights into the projections after them, the norms removed (DecoderLayer
-        says why): the function the model computes is unchanged; to_hf_model gives the norms back as ones
-        (or as the input_weight of the projections in apart, whose weights go to FP8)."""
-        for layer in self.model.layers:
-            layer.fold_norm_weights(apart)
 
     def compute_logits(self, hidden):
         """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them."""

@@ -3,10 +3,13 @@ resolved to its snapshot in the local hub cache), or with seeded random weights 
 (the embedded default and the benchmarks). Either way a config.json dict describes the model (the
 checkpoint's, or one made of the model.* keys): its architectures pick the class, which reads its arch."""
 import functools
+import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError, \
     RevisionNotFoundError
@@ -30,6 +33,7 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 COUNT_KEYS = (*SHAPE_KEYS, "num_key_value_heads", "head_dim")  # positive integers where present
 SCALE_KEYS = ("rms_norm_eps",)  # positive finite numbers where present (rope_theta: engine/models/rope.py)
 COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)  # stored by some checkpoints; the model computes its own
+HEADER_FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # safetensors' names
 
 
 def resolve_model_path(model_cfg) -> Path | None:
@@ -160,44 +164,85 @@ def checkpoint_target(name: str, model: DecoderForCausalLM) -> tuple[str, object
     return f"{parent}.{packed}.{leaf}", shard
 
 
-def load_weights(model: DecoderForCausalLM, path: Path, fmt: WeightFormat | None = None) -> None:
-    """Copy every tensor of the checkpoint's safetensors files into its parameter, or its shard of a
-    PackedLinear (model.packed_modules_mapping); an FP8 weight dequantized by its scale (fmt, the
-    checkpoint's WeightFormat: engine/models/quantization.py). ConfigError, naming the file and tensor, for
-    a tensor that has no place in the model or does not fit it, an FP8 weight without its scale or with
-    one of the wrong shape, and for parameters no tensor filled."""
-    params, modules = dict(model.named_parameters()), dict(model.named_modules())
-    needed = {(name, shard) for name in params for shard in _shards(modules[name.rpartition(".")[0]], name)}
-    loaded, files = set(), sorted(path.glob("*.safetensors"))
+def checkpoint_parts(model: DecoderForCausalLM, path: Path, fmt: WeightFormat | None) -> "CheckpointParts":
+    """The checkpoint's tensors grouped by the model part (model_parts) that holds their parameters, read from
+    the safetensors headers only; ConfigError, naming the file and tensor, for a tensor that has no place in
+    the model."""
+    params, files = dict(model.named_parameters()), sorted(path.glob("*.safetensors"))
+    prefixes = [prefix for prefix, _ in model_parts(model)]
     scales = _scale_tensors(files, fmt) if fmt else {}
+    by_part = {prefix: [] for prefix in prefixes}
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith(COMPUTED_BUFFERS) or (name == "lm_head.weight" and model.arch.tie_word_embeddings) \
-                            or name in scales or name.endswith(ACTIVATION_SCALES):
-                        continue
-                    target, shard = checkpoint_target(name, model)
-                    if target not in params:
-                        raise ConfigError(f"model.path: {file} holds {name}, which {type(model).__name__} as "
-                                          f"config.json describes it has no parameter for")
-                    param = params[target]
-                    if shard is not None:
-                        param = modules[target.rpartition(".")[0]].shard(param, shard)
-                    tensor = f.get_tensor(name)
-                    if param.shape != tensor.shape:
-                        raise ConfigError(f"model.path: {file} holds {name} of shape {tuple(tensor.shape)}, which "
-                                          f"does not fit the shape config.json gives the model")
-                    if tensor.dtype in FP8_DTYPES:
-                        tensor = _dequantized(tensor, name, file, fmt, scales)
-                    with torch.no_grad():
-                        param.copy_(tensor)
-                    loaded.add((target, shard))
-        except (SafetensorError, OSError) as err:
-            raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
-    missing = sorted({name for name, _ in needed - loaded})
-    if missing:
-        raise ConfigError(f"model.path {str(path)!r}: weights missing for {missing[:5]}")
+        for name, dtype in _tensor_dtypes(file):
+            if dtype in FP8_DTYPES and fmt is None:
+                raise ConfigError(f"model.path: {file} holds {name} in {dtype}, but config.json has no "
+                                  f"quantization_config to say how it is scaled")
+            if name.endswith(COMPUTED_BUFFERS) or (name == "lm_head.weight" and model.arch.tie_word_embeddings) \
+                    or name in scales or name.endswith(ACTIVATION_SCALES):
+                continue
+            target, shard = checkpoint_target(name, model)
+            prefix = next((p for p in prefixes if target.startswith(p + ".")), None)
+            if target not in params or prefix is None:
+                raise ConfigError(f"model.path: {file} holds {name}, which {type(model).__name__} as "
+                                  f"config.json describes it has no parameter for")
+            by_part[prefix].append((file, name, target, shard))
+    return CheckpointParts(path, fmt, scales, by_part)
+
+
+@dataclass
+class CheckpointParts:
+    """A checkpoint's tensors by model part: (file, tensor name, target parameter, shard) for each part's
+    prefix; load copies a part's tensors in once the part has its storage."""
+
+    path: Path
+    fmt: WeightFormat | None
+    scales: dict
+    by_part: dict
+
+    def load(self, prefix: str, part: nn.Module) -> None:
+        """Copy each tensor of part `prefix` into its parameter, or its shard of a PackedLinear
+        (model.packed_modules_mapping), an FP8 weight dequantized by its scale (self.fmt:
+        engine/models/quantization.py). ConfigError, naming the file and tensor, for a tensor that does not fit
+        its parameter, an FP8 weight without its scale or with one of the wrong shape, and for parameters of
+        the part that no tensor filled."""
+        params, modules = dict(part.named_parameters()), dict(part.named_modules())
+        needed = {(name, shard) for name in params for shard in _shards(modules[name.rpartition(".")[0]], name)}
+        loaded = set()
+        for file, entries in itertools.groupby(self.by_part[prefix], key=lambda entry: entry[0]):
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    for _, name, target, shard in entries:
+                        loaded.add(self._copy(f.get_tensor(name), name, file, part, target.removeprefix(prefix + "."),
+                                              shard))
+            except (SafetensorError, OSError) as err:
+                raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
+        missing = sorted({f"{prefix}.{name}" for name, _ in needed - loaded})
+        if missing:
+            raise ConfigError(f"model.path {str(self.path)!r}: weights missing for {missing[:5]}")
+
+    def _copy(self, tensor, name, file, part, target, shard):
+        param = part.get_parameter(target)
+        if shard is not None:
+            param = part.get_submodule(target.rpartition(".")[0]).shard(param, shard)
+        if param.shape != tensor.shape:
+            raise ConfigError(f"model.path: {file} holds {name} of shape {tuple(tensor.shape)}, which "
+                              f"does not fit the shape config.json gives the model")
+        if tensor.dtype in FP8_DTYPES:
+            tensor = _dequantized(tensor, name, file, self.fmt, self.scales)
+        with torch.no_grad():
+            param.copy_(tensor)
+        return target, shard
+
+
+def _tensor_dtypes(file: Path) -> list[tuple[str, object]]:
+    """(name, dtype) of each tensor of a safetensors file, from its header: a torch dtype for FP8, else the
+    header's name of the dtype."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            dtypes = [(name, f.get_slice(name).get_dtype()) for name in f.keys()]
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
+    return [(name, HEADER_FP8_DTYPES.get(dtype, dtype)) for name, dtype in dtypes]
 
 
 def _scale_tensors(files: list[Path], fmt: WeightFormat) -> dict[str, tuple[torch.Tensor, Path]]:
@@ -213,11 +258,8 @@ def _scale_tensors(files: list[Path], fmt: WeightFormat) -> dict[str, tuple[torc
     return scales
 
 
-def _dequantized(tensor: torch.Tensor, name: str, file: Path, fmt: WeightFormat | None,
+def _dequantized(tensor: torch.Tensor, name: str, file: Path, fmt: WeightFormat,
                  scales: dict[str, tuple[torch.Tensor, Path]]) -> torch.Tensor:
-    if fmt is None:
-        raise ConfigError(f"model.path: {file} holds {name} in {tensor.dtype}, but config.json has no "
-                          f"quantization_config to say how it is scaled")
     scale_name = fmt.scale_name(name)
     if scale_name not in scales:
         raise ConfigError(f"model.path: {file} holds {name} in {tensor.dtype} without its scale {scale_name}")
@@ -235,45 +277,74 @@ def _shards(module, name: str) -> list:
     return [None]
 
 
-def init_random_weights(model: DecoderForCausalLM, seed: int, std: float) -> None:
-    """Seeded N(0, std) weights, drawn on the parameters' device (the same seed gives other weights on
-    another device)."""
-    device = next(model.parameters()).device
-    generator = torch.Generator(device).manual_seed(seed)
+def model_parts(model: DecoderForCausalLM) -> list[tuple[str, nn.Module]]:
+    """The parts build_model gives storage one at a time, with their parameters' name prefix: the embedding,
+    each decoder layer, the final norm and the head (not a tied one: it is the embedding)."""
+    decoder = model.model
+    parts = [("model.embed_tokens", decoder.embed_tokens),
+             *((f"model.layers.{i}", layer) for i, layer in enumerate(decoder.layers)), ("model.norm", decoder.norm)]
+    return parts if model.arch.tie_word_embeddings else [*parts, ("lm_head", model.lm_head)]
+
+
+def init_random_weights(part: nn.Module, prefix: str, generator: torch.Generator, std: float) -> None:
+    """Seeded N(0, std) weights of one model part, drawn on its device from `generator` (the parts in
+    model_parts' order draw the same weights whatever they are built on; another device draws others)."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in part.named_parameters(prefix=prefix):
             if "norm" in name:
                 param.fill_(1.0)
             elif name.endswith("bias"):
                 param.zero_()
             else:
-                param.copy_(torch.randn(param.shape, generator=generator, device=device) * std)
+                param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * std)
 
 
 def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[DecoderForCausalLM, list[int]]:
     """The model on `device` in `dtype`, its FP8 weights dequantized (a checkpoint's) or its projections
     rounded to FP8 (model.quantization=fp8), its norm weights folded (in float32, before the cast), and its
-    EOS token ids. Where the device has FP8 GEMMs, per-row FP8 projections stay in FP8 (quantization.py)."""
+    EOS token ids. Where the device has FP8 GEMMs, per-row FP8 projections stay in FP8 (quantization.py).
+    The model is laid out on the meta device, then each part (model_parts) in turn gets its storage, its
+    weights in float32 and its final form: the memory a build needs beyond the finished model is one part's
+    in float32 (a 70B model in FP8 never exists in bfloat16)."""
     path = resolve_model_path(model_cfg)
     if path:
         check_checkpoint(path)
     cls, arch, eos = model_spec(model_cfg, path)
     fmt = weight_format(read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}") if path else None
-    with torch.device(device):  # built where it runs: a 0.6B model's CPU init took ~8 s of a GPU job's start-up
+    with torch.device("meta"):
         model = cls(arch, model_cfg.max_model_len)
-    if path:
-        load_weights(model, path, fmt)
-    else:
-        init_random_weights(model, model_cfg.seed, model_cfg.initializer_range)
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    if model_cfg.quantization == "fp8" and fmt is None:  # an FP8 checkpoint is rounded already
-        round_projections_to_fp8(layers)
-    per_row = model_cfg.quantization == "fp8" or (fmt is not None and fmt.strategy != "block")
-    fp8 = fp8_projections(layers) if per_row and fp8_gemms(device, dtype) else {}
-    model.fold_norm_weights(apart=fp8.keys())
-    model = model.requires_grad_(False).to(device=device, dtype=dtype).eval()
+    checkpoint = checkpoint_parts(model, path, fmt) if path else None
+    generator = None if path else torch.Generator(device).manual_seed(model_cfg.seed)
+    round_to_fp8 = model_cfg.quantization == "fp8" and fmt is None  # an FP8 checkpoint is rounded already
+    keep_fp8 = (model_cfg.quantization == "fp8" or (fmt is not None and fmt.strategy != "block")) \
+        and fp8_gemms(device, dtype)
+    for prefix, part in model_parts(model):
+        part.to_empty(device=device)
+        if checkpoint:
+            checkpoint.load(prefix, part)
+        else:
+            init_random_weights(part, prefix, generator, model_cfg.initializer_range)
+        if isinstance(part, DecoderLayer):
+            _finish_layer(part, round_to_fp8, keep_fp8, dtype)
+        else:
+            part.to(dtype)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary.to_empty(device=device).reset_buffers()
+    model.model.rotary.to(dtype)
+    return model.requires_grad_(False).eval(), eos
+
+
+@torch.no_grad()
+def _finish_layer(layer: DecoderLayer, round_to_fp8: bool, keep_fp8: bool, dtype: torch.dtype) -> None:
+    """A layer with its float32 weights -> its projections rounded to FP8 (round_to_fp8), its norms folded,
+    cast to dtype, and its per-row FP8 projections stored in FP8 (keep_fp8)."""
+    if round_to_fp8:
+        round_projections_to_fp8([layer])
+    fp8 = fp8_projections([layer]) if keep_fp8 else {}
+    layer.fold_norm_weights(apart=fp8.keys())
+    layer.to(dtype)
     store_fp8(fp8)
-    return model, eos
 
 
 def to_hf_model(model: DecoderForCausalLM):

@@ -89,7 +89,19 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope: Rope, max_positions: int):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies(rope, head_dim))
-        angles = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.head_dim, self.rope = head_dim, rope
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Computes the tables on their device: again after a model built on the meta device (the loader's)
+        gets its storage."""
+        if self.cos.is_meta:
+            return
+        with torch.device(self.cos.device):
+            freqs = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32),
+                                inverse_frequencies(self.rope, self.head_dim))
+            angles = torch.cat([freqs, freqs], dim=-1)
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
