@@ -7,8 +7,10 @@ activations' quantization alone (ops.quantize_rows_to_e4m3), and ops.fp8_matmul 
 _scaled_mm). Each is timed as the engine runs it: over
 num_hidden_layers distinct weights (from HBM, not L2), captured in one CUDA graph, replayed (benchmarks/ops.bench,
 do_bench medians); time per matmul = replay time / layers.
-Usage (GPU): [MODEL=qwen3-0.6b] [PROJ=gate_up,down] python3 benchmarks/fp8_gemm.py [M ...]   (default 16 64 128 256
-512; PROJ: some of qkv, o, gate_up, down, default all; the Triton sweep compiles every config, ~25 s a row)
+Usage (GPU): [MODEL=qwen3-0.6b] [PROJ=gate_up,down] [LAYERS=n] [TRITON=0] python3 benchmarks/fp8_gemm.py [M ...]
+(default 16 64 128 256 512; PROJ: some of qkv, o, gate_up, down, default all; the Triton sweep compiles every
+config, ~25 s a row, TRITON=0 leaves it out; LAYERS: distinct weights per projection, default the model's
+layers; a 70B model's bf16 copies of all 80 do not fit, and 2 of its weights already exceed the L2)
 """
 import os
 import sys
@@ -48,7 +50,8 @@ def triton_fp8(xq, xs, w8, m: int, k: int) -> tuple[float, tuple | None]:
 def main(rows: list[int]) -> None:
     cfg = engine_config(os.environ.get("MODEL", "qwen3-8b"))
     arch = model_spec(cfg.model, resolve_model_path(cfg.model))[1]
-    layers = arch.num_hidden_layers
+    layers = int(os.environ.get("LAYERS", arch.num_hidden_layers))
+    sweep = os.environ.get("TRITON", "1") != "0"
     print(f"{cfg.model.name}: per matmul, us (over {layers} distinct weights, one CUDA graph)")
     print(f"{'proj':8s} {'M':>5s} {'bf16':>8s} {'fp8 gemm':>9s} {'triton fp8':>11s} {'quant':>7s} {'fp8_matmul':>11s} "
           f"{'speed-up':>9s}  triton config")
@@ -62,7 +65,7 @@ def main(rows: list[int]) -> None:
             t16 = bench(lambda: [F.linear(x, w) for w in w16], graph=True) / layers
             tgemm = bench(lambda: [torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.reshape(1, -1),
                                                     out_dtype=torch.bfloat16) for q, s in w8], graph=True) / layers
-            ttriton, best = triton_fp8(xq, xs, w8, m, k)
+            ttriton, best = triton_fp8(xq, xs, w8, m, k) if sweep else (float("nan"), None)
             tquant = bench(lambda: [ops.quantize_rows_to_e4m3(x) for _ in w8], graph=True) / layers
             tfp8 = bench(lambda: [ops.fp8_matmul(x, q, s.reshape(-1)) for q, s in w8], graph=True) / layers
             print(f"{name:8s} {m:5d} {t16 * 1e3:8.1f} {tgemm * 1e3:9.1f} {ttriton * 1e3:11.1f} {tquant * 1e3:7.1f} "

@@ -54,13 +54,16 @@ def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
     return device, DTYPES[name]
 
 
-def scheduler_limits(scheduler_cfg, device: torch.device) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens): the config's, or the device's defaults where unset."""
+def scheduler_limits(scheduler_cfg, device: torch.device, max_sequences: int | None = None) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens): the config's, or the device's defaults where unset; max_num_seqs
+    at most max_sequences (LLMEngine's)."""
     defaults = SCHEDULER_DEFAULTS[device.type]
-    chosen = (scheduler_cfg.max_num_seqs or defaults[0], scheduler_cfg.max_num_batched_tokens or defaults[1])
+    max_num_seqs = scheduler_cfg.max_num_seqs or defaults[0]
+    capped = max_sequences is not None and max_sequences < max_num_seqs
+    chosen = (max(1, max_sequences) if capped else max_num_seqs, scheduler_cfg.max_num_batched_tokens or defaults[1])
     log.info("scheduler: max_num_seqs %d%s, max_num_batched_tokens %d%s", chosen[0],
-             "" if scheduler_cfg.max_num_seqs else f" ({device.type} default)", chosen[1],
-             "" if scheduler_cfg.max_num_batched_tokens else f" ({device.type} default)")
+             " (the run's sequences)" if capped else "" if scheduler_cfg.max_num_seqs else f" ({device.type} default)",
+             chosen[1], "" if scheduler_cfg.max_num_batched_tokens else f" ({device.type} default)")
     return chosen
 
 
@@ -73,10 +76,14 @@ def piecewise_graphs_on(model_cfg, device: torch.device) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, cfg, run_dir: Path | None = None, reasoning_parser: str | None = None):
+    def __init__(self, cfg, run_dir: Path | None = None, reasoning_parser: str | None = None,
+                 max_sequences: int | None = None):
         """run_dir: where a stalled step's inputs are saved (engine/watchdog.py), None: a temporary directory;
         reasoning_parser: engine/reasoning.py's name of the model's reasoning format, whose end is where a
-        structured-output constraint starts. startup_s: where its start-up went, in seconds: before_engine,
+        structured-output constraint starts; max_sequences: the most sequences the caller will ever add (a
+        job that knows its rows and samples), None: unknown. Fewer than max_num_seqs caps it: no sequence
+        more can run anyway, and the decode graphs and the warm-up then cover only the batch sizes that can
+        occur (a 64-row job's start-up captured and warmed 36 batch sizes up to 512). startup_s: where its start-up went, in seconds: before_engine,
         the process's age when it began (None where unknown: engine/startup.py), then its phases in order
         (model: build and weights; tokenizer; kv_pool: sizing and allocation; graphs: the runner's CUDA
         graph captures; warm_up), which add up to its construction."""
@@ -108,7 +115,7 @@ class LLMEngine:
         laps.lap("tokenizer")
         self.block_size = cfg.cache.block_size
         self.prefix_caching = cfg.cache.enable_prefix_caching
-        max_num_seqs, max_num_batched_tokens = scheduler_limits(cfg.scheduler, self.device)
+        max_num_seqs, max_num_batched_tokens = scheduler_limits(cfg.scheduler, self.device, max_sequences)
         max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         kv_dtype = cache_dtype(cfg.cache.kv_cache_dtype, self.dtype, self.device)
         free_bytes = None

@@ -105,16 +105,18 @@ class LLM:
         self._start(engine_config(model, **engine_options), None, reasoning_parser)
 
     @classmethod
-    def from_config(cls, cfg, run_dir=None, reasoning_parser: str | None = None) -> "LLM":
+    def from_config(cls, cfg, run_dir=None, reasoning_parser: str | None = None,
+                    max_sequences: int | None = None) -> "LLM":
         """An LLM on a checked EngineConfig (engine/config.py; the batch layer converts what Hydra
-        composed); run_dir: where a stalled step's inputs are saved (engine/watchdog.py)."""
+        composed); run_dir: where a stalled step's inputs are saved (engine/watchdog.py); max_sequences:
+        the most sequences (requests times samples) it will run, where known (LLMEngine's)."""
         llm = cls.__new__(cls)
-        llm._start(cfg, run_dir, reasoning_parser)
+        llm._start(cfg, run_dir, reasoning_parser, max_sequences)
         return llm
 
-    def _start(self, cfg, run_dir, reasoning_parser: str | None) -> None:
+    def _start(self, cfg, run_dir, reasoning_parser: str | None, max_sequences: int | None = None) -> None:
         self.cfg = cfg
-        self.engine = LLMEngine(cfg, run_dir, reasoning_parser)
+        self.engine = LLMEngine(cfg, run_dir, reasoning_parser, max_sequences)
         self.tokenizer = self.engine.tokenizer
         self.default_sampling = resolve_sampling(cfg.sampling, self.engine.generation_config)
         check_run_sampling(self.engine, self.default_sampling)

@@ -119,12 +119,16 @@ class BenchProcessor(Processor):
     output_schema = pa.schema([("row", pa.int64()), ("sample_index", pa.int32()), ("finish_reason", pa.string()),
                                ("prompt_tokens", pa.int32()), ("output_tokens", pa.int32())])
 
-    def __init__(self, job):
+    def __init__(self, job, samples: int):
         self.job = job
+        self.samples = shape(job).samples or samples  # each request's n
         self.requests: list = []  # (prompt token ids, SamplingParams) per request number
         self.floor_model: FloorModel | None = None
         self.baseline: dict = {}  # job.baseline=hf: the summary's columns of the comparison
         self.outputs: dict[int, list[int]] = {}  # job.baseline=hf: sample 0's tokens per request number
+
+    def max_sequences(self, num_rows: int) -> int:
+        return num_rows * self.samples
 
     def setup(self, llm: LLM) -> None:
         self.requests = workload(self.job, llm.default_sampling, llm.vocab_size)
@@ -204,7 +208,7 @@ def run(cfg) -> None:
         raise JobError(f"job.baseline={cfg.job.baseline} runs on one device: use executor=local")
     local = cfg.executor.name == "local"
     rates = device_rates(*resolve_device(cfg.model)) if local else None  # before the KV pool takes the memory
-    processor, counts, rows = BenchProcessor(cfg.job), new_counts(), []
+    processor, counts, rows = BenchProcessor(cfg.job, cfg.sampling.n or 1), new_counts(), []
 
     def take(request_rows: list[dict]) -> int:
         rows.extend(request_rows)

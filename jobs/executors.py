@@ -30,7 +30,7 @@ def execute(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callable
 def run_local(cfg, processor: Processor, rows: Rows, num_rows: int, take: Callable[[list[dict]], int],
               run_dir: Path) -> Run:
     """executor=local: one engine in this process; rows are pulled as its stream has room for them."""
-    llm = new_llm(cfg, processor, run_dir)
+    llm = new_llm(cfg, processor, run_dir, processor.max_sequences(num_rows))
     try:  # closed on the way out of a failure too: a tensor-parallel engine's workers stop with it
         processor.setup(llm)
         startup = startup_columns(llm.startup_s)

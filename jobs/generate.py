@@ -171,11 +171,15 @@ class GenerateProcessor(Processor):
 
     output_schema = PART_SCHEMA
 
-    def __init__(self, job, columns: Columns):
+    def __init__(self, job, columns: Columns, samples: int):
         self.job, self.columns = job, columns
+        self.samples = samples  # each row's n, unless a row sets its own
         self.chat_template_kwargs = chat_kwargs(job)
         self.reasoning_parser = job.reasoning_parser
         self.defaults: SamplingParams | None = None
+
+    def max_sequences(self, num_rows: int) -> int | None:
+        return None if "n" in self.columns.sampling else num_rows * self.samples
 
     def setup(self, llm: LLM) -> None:
         check_chat_input(self.job, self.columns, llm.check_chat_template)
@@ -248,7 +252,7 @@ def compute(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, dir
         writer.add(*rows)
         return tally(counts, rows)
 
-    run = execute(cfg, GenerateProcessor(cfg.job, columns), pending_rows(source, columns, writer),
+    run = execute(cfg, GenerateProcessor(cfg.job, columns, cfg.sampling.n or 1), pending_rows(source, columns, writer),
                   source.num_rows - writer.resumed, take, directory)
     writer.flush()  # every row saved before the stats: a kill from here on loses no work
     summary = summary_row(cfg.job.name, run, counts)

@@ -31,6 +31,11 @@ class Processor:
     chat_template_kwargs: dict | None = None  # passed to the chat template of every conversation
     reasoning_parser: str | None = None  # the engines split outputs with it (engine/reasoning.py)
 
+    def max_sequences(self, num_rows: int) -> int | None:
+        """The most sequences num_rows rows can run (requests times samples), None where the rows decide
+        (a per-row n): executor=local builds its engine for no more (LLMEngine's max_sequences)."""
+        return None
+
     def setup(self, llm: LLM) -> None:
         """Once per engine, before its first request: checks (a chat template where needed) and state."""
 
@@ -54,9 +59,9 @@ class Run:
     summary: dict
 
 
-def new_llm(cfg, processor: Processor, run_dir=None) -> LLM:
+def new_llm(cfg, processor: Processor, run_dir=None, max_sequences: int | None = None) -> LLM:
     """The LLM an executor runs `processor` on, from the composed config."""
-    return LLM.from_config(engine_config_of(cfg), run_dir, processor.reasoning_parser)
+    return LLM.from_config(engine_config_of(cfg), run_dir, processor.reasoning_parser, max_sequences)
 
 
 def startup_columns(engine_startup_s: dict) -> dict:

@@ -136,7 +136,8 @@ def test_bench_with_its_floor_and_the_transformers_baseline_on_the_tiny_model(tm
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a float32 CPU run (on CUDA the bench runs in bf16)")
 def test_the_bench_floor_counts_every_sample(tmp_path, make_config):
-    """sampling.n=2: each request's two samples are two rows of the floor, sharing their prompt."""
+    """sampling.n=2: each request's two samples are two rows of the floor, sharing their prompt; the engine
+    is built for the 8 sequences (max_num_seqs)."""
     overrides = ["job=bench", "job.num_prompts=4", "job.input_len=[8,20]", "job.output_len=[4,8]", "sampling.n=2",
                  "sampling.temperature=0.8"]
     result = subprocess.run([sys.executable, "-m", "engine.run", *overrides, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
@@ -153,3 +154,4 @@ def test_the_bench_floor_counts_every_sample(tmp_path, make_config):
                              summary["copy_gb_per_s"] * 1e9, summary["matmul_tflop_per_s"] * 1e12)
     assert floor == pytest.approx({k: summary[k] for k in floor})
     assert summary["floor_prompt_tokens"] == sum(len(p) for p, _ in requests)
+    assert summary["max_num_seqs"] == 4 * 2

@@ -7,12 +7,15 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from engine import startup
-from engine.engine import LLMEngine
+from engine.engine import SCHEDULER_DEFAULTS, LLMEngine
 from engine.startup import Laps, process_age_s
+from jobs import generate
+from jobs.generate import generate_job
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_PHASES = ["model", "tokenizer", "kv_pool", "graphs", "warm_up"]
@@ -67,3 +70,30 @@ def test_a_jobs_start_up_columns_add_up_to_its_age_at_the_first_step(tmp_path):
     assert summary["startup_s"] + summary["wall_time_s"] <= wall + 0.01
     log = (tmp_path / "run.log").read_text()
     assert f"start-up {summary['startup_s']:.1f} s before the first step: before engine " in log
+
+
+@pytest.mark.parametrize("rows, n_column", [(3, False), (40, False), (3, True)])
+def test_a_job_builds_its_engine_for_the_sequences_its_rows_run(make_config, monkeypatch, tmp_path, rows, n_column):
+    """A generate job of `rows` rows at sampling.n=2 caps max_num_seqs (the decode graphs' and the warm-up's
+    batch sizes) at rows x 2 when that is below the device's default, unless a row may set its own n; its
+    sampled outputs are those of the engine without the cap (a draw depends only on its seed and logits)."""
+    table = {"prompt": [f"prompt {i} " * (i % 5 + 1) for i in range(rows)]}
+    if n_column:
+        table["n"] = [None] * rows
+    pq.write_table(pa.table(table), tmp_path / "in.parquet")
+
+    def job(name: str) -> tuple[list, dict]:
+        cfg = make_config(f"job.input={tmp_path / 'in.parquet'}", "model.device=cpu", "model.max_model_len=128",
+                          "sampling.max_tokens=6", "sampling.n=2", "sampling.temperature=1.0", "sampling.seed=5")
+        (tmp_path / name).mkdir()
+        generate_job(cfg, tmp_path / name)
+        summary = pq.read_table(tmp_path / name / "summary.parquet").to_pylist()[0]
+        return pq.read_table(tmp_path / name / "generations.parquet").to_pylist(), summary
+
+    capped, summary = job("capped")
+    default = SCHEDULER_DEFAULTS["cpu"][0]
+    assert summary["max_num_seqs"] == (default if n_column else min(default, 2 * rows))
+    monkeypatch.setattr(generate.GenerateProcessor, "max_sequences", lambda self, num_rows: None)
+    uncapped, summary = job("uncapped")
+    assert summary["max_num_seqs"] == default
+    assert [r["output_token_ids"] for r in capped] == [r["output_token_ids"] for r in uncapped]
