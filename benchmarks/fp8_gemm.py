@@ -8,7 +8,8 @@ _scaled_mm). Each is timed as the engine runs it: over
 num_hidden_layers distinct weights (from HBM, not L2), captured in one CUDA graph, replayed (benchmarks/ops.bench,
 do_bench medians); time per matmul = replay time / layers.
 Usage (GPU): [MODEL=qwen3-0.6b] [PROJ=gate_up,down] [LAYERS=n] [TRITON=0] python3 benchmarks/fp8_gemm.py [M ...]
-(default 16 64 128 256 512; PROJ: some of qkv, o, gate_up, down, default all; the Triton sweep compiles every
+(default 16 64 128 256 512; PROJ: some of qkv, o, gate_up, down, default all; the w8a16 column is
+ops.fp8_weight_matmul with fp8_tiles' tiles, or at the M in TILE_ROWS=16,128 the best of a few; the Triton sweep compiles every
 config, ~25 s a row, TRITON=0 leaves it out; LAYERS: distinct weights per projection, default the model's
 layers; a 70B model's bf16 copies of all 80 do not fit, and 2 of its weights already exceed the L2)
 """
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ops  # noqa: E402
+from ops import fp8_gemm  # noqa: E402
+from ops.fp8_gemm import fp8_tiles  # noqa: E402
 from benchmarks.gemm import configs, shapes, triton_linear  # noqa: E402
 from benchmarks.ops import bench  # noqa: E402
 from engine.config import engine_config  # noqa: E402
@@ -47,14 +50,31 @@ def triton_fp8(xq, xs, w8, m: int, k: int) -> tuple[float, tuple | None]:
     return best
 
 
+def w8a16(x, w8, m: int, n: int, k: int, sweep: bool) -> tuple[float, tuple]:
+    """ops.fp8_weight_matmul's time (ms per matmul) with fp8_tiles' choice, or with sweep the fastest of a few
+    weight tiles around it (the same row tile)."""
+    layers, default = len(w8), fp8_tiles(m)
+    candidates = [default] + ([(default[0], bn, bk, 4, stages) for bn in (32, 64, 128) for bk in (128, 256)
+                               for stages in (3, 4)] if sweep else [])
+    best = (float("inf"), default)
+    for tiles in dict.fromkeys(candidates):
+        run = lambda q, s: fp8_gemm.fp8_weight_matmul(x, q, s.reshape(-1), tiles=tiles)  # noqa: E731
+        try:
+            best = min(best, (bench(lambda: [run(q, s) for q, s in w8], graph=True) / layers, tiles))
+        except Exception as e:  # noqa: BLE001 (out of shared memory or registers)
+            print(f"  skip {tiles}: {type(e).__name__}")
+    return best
+
+
 def main(rows: list[int]) -> None:
     cfg = engine_config(os.environ.get("MODEL", "qwen3-8b"))
     arch = model_spec(cfg.model, resolve_model_path(cfg.model))[1]
     layers = int(os.environ.get("LAYERS", arch.num_hidden_layers))
     sweep = os.environ.get("TRITON", "1") != "0"
     print(f"{cfg.model.name}: per matmul, us (over {layers} distinct weights, one CUDA graph)")
+    tile_rows = {int(r) for r in os.environ.get("TILE_ROWS", "").split(",") if r}
     print(f"{'proj':8s} {'M':>5s} {'bf16':>8s} {'fp8 gemm':>9s} {'triton fp8':>11s} {'quant':>7s} {'fp8_matmul':>11s} "
-          f"{'speed-up':>9s}  triton config")
+          f"{'speed-up':>9s} {'w8a16':>7s} {'TB/s':>6s} w8a16 tiles  triton config")
     chosen = os.environ.get("PROJ", "").split(",") if os.environ.get("PROJ") else list(shapes(arch))
     for name, (n, k) in ((name, nk) for name, nk in shapes(arch).items() if name in chosen):
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
@@ -68,8 +88,10 @@ def main(rows: list[int]) -> None:
             ttriton, best = triton_fp8(xq, xs, w8, m, k) if sweep else (float("nan"), None)
             tquant = bench(lambda: [ops.quantize_rows_to_e4m3(x) for _ in w8], graph=True) / layers
             tfp8 = bench(lambda: [ops.fp8_matmul(x, q, s.reshape(-1)) for q, s in w8], graph=True) / layers
+            tw8, tiles = w8a16(x, w8, m, n, k, m in tile_rows)
             print(f"{name:8s} {m:5d} {t16 * 1e3:8.1f} {tgemm * 1e3:9.1f} {ttriton * 1e3:11.1f} {tquant * 1e3:7.1f} "
-                  f"{tfp8 * 1e3:11.1f} {t16 / tfp8:8.2f}x  {best}", flush=True)
+                  f"{tfp8 * 1e3:11.1f} {t16 / tfp8:8.2f}x {tw8 * 1e3:7.1f} {n * k / tw8 / 1e9:6.2f} {tiles} "
+                  f"{best}", flush=True)
         del w16, w8
         torch.cuda.empty_cache()
 

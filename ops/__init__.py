@@ -180,6 +180,17 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None):
                             out_dtype=x.dtype)
 
 
+def fp8_weight_matmul(x, weight, weight_scale, input_weight=None, residual=None, backend=None):
+    """x [M, K] (the model's dtype, not rounded) @ (weight * weight_scale[:, None])^T -> [M, N] in x's dtype:
+    W8A16, the FP8 weights widened as they are read (weight float8_e4m3fn [N, K], weight_scale float32 [N]);
+    input_weight [K] (optional): a folded RMSNorm's weight, multiplied into x first; residual [M, N]
+    (optional): the product is added into it, in place (ops/fp8_gemm_reference.py; Triton: one kernel)."""
+    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype}, got "
+                         f"{tuple(residual.shape)} in {residual.dtype}")
+    return _pick(backend, x, "fp8_gemm").fp8_weight_matmul(x, weight, weight_scale, input_weight, residual)
+
+
 def moe_route(router_logits, top_k: int, renormalize: bool):
     """A mixture-of-experts layer's routing: (weights float32 [T, k], expert ids int64 [T, k]) of the router's
     logits [T, E] (ops/moe_reference.py)."""

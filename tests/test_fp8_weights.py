@@ -206,6 +206,42 @@ def test_fp8_matmul_is_the_float64_product_of_its_quantized_operands(device):
     assert ops.fp8_matmul(x[:0].to(device), q_w.to(device), w_scale.reshape(-1).to(device)).shape == (0, 64)
 
 
+W8A16_CASES = [("torch", "cpu", torch.float32), ("torch", "cpu", torch.bfloat16)] + (
+    # Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot): its kernel is checked in float32 there
+    [("triton", "cuda", torch.bfloat16)] if torch.cuda.is_available() else [("triton", "cpu", torch.float32)])
+
+
+@pytest.mark.parametrize("backend, device, dtype", W8A16_CASES)
+@pytest.mark.parametrize("rows, cols, outs", [(1, 96, 40), (7, 200, 72), (64, 256, 520), (130, 64, 48), (0, 64, 16)])
+def test_fp8_weight_matmul_is_the_float64_product_of_the_dequantized_weights(backend, device, dtype, rows, cols, outs):
+    """ops.fp8_weight_matmul (W8A16) against its contract computed here in float64: x * input_weight rounded
+    to x's dtype, times the dequantized weights (q * scale per row), to the output's rounding; with a
+    residual, the product added into it in place. Sizes that no tile divides, one row and none."""
+    generator = torch.Generator().manual_seed(rows + cols + outs)
+    x = (torch.randn(rows, cols, generator=generator) * 2).to(dtype)
+    q_w, w_scale = row_quantized(torch.randn(outs, cols, generator=generator) / 10)
+    norm_weight = (torch.rand(cols, generator=generator) + 0.5).to(dtype)
+    residual = torch.randn(rows, outs, generator=generator).to(dtype)
+    on = lambda t: t.to(device)  # noqa: E731
+    weights = (on(q_w), on(w_scale.reshape(-1)))
+    scaled = (x.double() * norm_weight.double()).to(dtype).double()
+    product = scaled @ (q_w.double() * w_scale.double()).T
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # the output's rounding (and bfloat16 products)
+    out = ops.fp8_weight_matmul(on(x), *weights, on(norm_weight), backend=backend).cpu()
+    assert out.dtype == dtype and out.shape == (rows, outs)
+    assert torch.allclose(out.double(), product, rtol=tolerance, atol=tolerance)
+    summed = on(residual.clone())
+    assert ops.fp8_weight_matmul(on(x), *weights, None, summed, backend=backend) is summed
+    expected = residual.double() + x.double() @ (q_w.double() * w_scale.double()).T
+    assert torch.allclose(summed.cpu().double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_fp8_weight_matmul_names_a_residual_that_does_not_fit():
+    q_w, w_scale = row_quantized(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"residual must be \[3, 8\] in torch.float32, got \(3, 9\)"):
+        ops.fp8_weight_matmul(torch.randn(3, 16), q_w, w_scale.reshape(-1), residual=torch.zeros(3, 9))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton's interpreter rounds float32 to e4m3 wrongly where "
                     "the rounding carries into the exponent (tests/test_fused.py)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
