@@ -83,10 +83,11 @@ class LLMEngine:
         structured-output constraint starts; max_sequences: the most sequences the caller will ever add (a
         job that knows its rows and samples), None: unknown. Fewer than max_num_seqs caps it: no sequence
         more can run anyway, and the decode graphs and the warm-up then cover only the batch sizes that can
-        occur (a 64-row job's start-up captured and warmed 36 batch sizes up to 512). startup_s: where its start-up went, in seconds: before_engine,
-        the process's age when it began (None where unknown: engine/startup.py), then its phases in order
-        (model: build and weights; tokenizer; kv_pool: sizing and allocation; graphs: the runner's CUDA
-        graph captures; warm_up), which add up to its construction."""
+        occur (a 64-row job's start-up captured and warmed 36 batch sizes up to 512). startup_s: where its
+        start-up went, in seconds: before_engine, the process's age when it began (None where unknown:
+        engine/startup.py), then its phases in order (model: build and weights; tokenizer; kv_pool: sizing
+        and allocation; graphs: the runner's CUDA graph captures; warm_up), which add up to its
+        construction."""
         laps, started_s = Laps(), process_age_s()
         self.cfg = cfg
         self.run_dir = run_dir

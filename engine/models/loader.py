@@ -287,8 +287,9 @@ def model_parts(model: DecoderForCausalLM) -> list[tuple[str, nn.Module]]:
 
 
 def init_random_weights(part: nn.Module, prefix: str, generator: torch.Generator, std: float) -> None:
-    """Seeded N(0, std) weights of one model part, drawn on its device from `generator` (the parts in
-    model_parts' order draw the same weights whatever they are built on; another device draws others)."""
+    """N(0, std) weights of one model part (norms 1, biases 0), drawn on its device from `generator`: the
+    parts drawn in model_parts' order from one seeded generator get the weights of one draw over the whole
+    model's parameters in order (the same seed on another device draws others)."""
     with torch.no_grad():
         for name, param in part.named_parameters(prefix=prefix):
             if "norm" in name:
