@@ -28,7 +28,7 @@ from engine.config import cpu_threads
 from engine.errors import ConfigError, UserError
 from engine.kv_cache import PagedKVCache
 from engine.models.loader import build_model
-from engine.models.tensor_parallel import Collectives, shard_model
+from engine.models.tensor_parallel import Collectives
 
 log = logging.getLogger("minipaged")
 JOIN_TIMEOUT_S = 10.0  # a worker that does not stop this long after the stop command is killed
@@ -93,10 +93,9 @@ def _worker(rank: int, world: int, address: str, model_cfg, device_type: str, dt
     if device.type == "cuda":
         torch.cuda.set_device(device)
     collectives, commands = _join_group(rank, world, address, device, timeout_s)
-    model, _ = build_model(model_cfg, device, dtype)
+    model, _ = build_model(model_cfg, device, dtype, collectives)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(model_cfg, model.arch.hidden_size))
-    shard_model(model, collectives)
     kv_cache = None
     with torch.inference_mode():
         while True:
@@ -137,8 +136,7 @@ class TensorParallelModel:
         try:
             collectives, self._commands = self._guarded(_join_group, 0, world, address, device, timeout_s)
             groups["commands"] = self._commands
-            self.local, self.eos_token_ids = build_model(model_cfg, device, dtype)
-            shard_model(self.local, collectives)
+            self.local, self.eos_token_ids = build_model(model_cfg, device, dtype, collectives)
         except BaseException:
             self.close()
             raise

@@ -17,6 +17,9 @@ from conftest import draw_norm_weights
 from engine import parallel
 from engine.errors import ConfigError
 from engine.llm import LLM, SamplingParams
+from engine.models import loader
+from engine.models.loader import build_model
+from engine.models.tensor_parallel import Collectives
 from engine.parallel import WorkerError
 from jobs.generate import generate_job
 from test_moe import moe_checkpoint
@@ -101,6 +104,48 @@ def test_two_ranks_of_a_llama_with_biases_and_an_untied_head_match_transformers(
         attn = llm.engine.model.local.model.layers[0].self_attn
         assert attn.qkv_proj.output_sizes == [32, 16, 16] and attn.o_proj.bias is not None
         assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
+
+
+def test_a_rank_builds_only_its_share(make_config, monkeypatch):
+    """build_model for rank 1 of 2 (no collective runs while building): every layer keeps its share as soon
+    as it is finished, before the next is drawn, and the shares are the unsplit model's slices, cut here by
+    hand: q, k and v by heads and gate and up by columns (the second half of each), o and down by input
+    columns, the embedding and the head by vocabulary (257 rows: rank 1's 129 padded with one zero row)."""
+    cfg = make_config("model.num_hidden_layers=3").model
+    whole, _ = build_model(cfg, torch.device("cpu"), torch.float32)
+    parts_of, draw, shards_seen, built = loader.model_parts, loader.init_random_weights, [], {}
+
+    def recording_parts(model):
+        built["layers"] = model.model.layers
+        return parts_of(model)
+
+    def recording_draw(part, *args):
+        shards_seen.append([layer.self_attn.qkv_proj.out_features for layer in built["layers"]])
+        draw(part, *args)
+
+    monkeypatch.setattr(loader, "model_parts", recording_parts)
+    monkeypatch.setattr(loader, "init_random_weights", recording_draw)
+    group = Collectives(1, 2, all_reduce=lambda t: None, all_gather=lambda t: t)
+    share, _ = build_model(cfg, torch.device("cpu"), torch.float32, group)
+    full = whole.model.layers[0].self_attn.qkv_proj.out_features
+    assert shards_seen[1:4] == [[full] * 3, [full // 2] + [full] * 2, [full // 2] * 2 + [full]]
+    arch = whole.arch
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    for mine, theirs in zip(share.model.layers, whole.model.layers):
+        w = theirs.self_attn.qkv_proj.weight
+        expected = torch.cat([w[q // 2:q], w[q + kv // 2:q + kv], w[q + kv + kv // 2:]])
+        assert torch.equal(mine.self_attn.qkv_proj.weight, expected)
+        assert torch.equal(mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight[:, q // 2:])
+        i = arch.intermediate_size
+        gate_up = theirs.mlp.gate_up_proj.weight
+        assert torch.equal(mine.mlp.gate_up_proj.weight, torch.cat([gate_up[i // 2:i], gate_up[i + i // 2:]]))
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight[:, i // 2:])
+        assert mine.all_reduce is group.all_reduce
+    embedding = share.model.embed_tokens.weight
+    assert embedding.shape == (129, arch.hidden_size) and share.model.embed_tokens.start == 129
+    assert torch.equal(embedding[:128], whole.model.embed_tokens.weight[129:]) and not embedding[128].any()
+    assert torch.equal(share.lm_head.weight[:128], whole.lm_head.weight[129:])
+    assert share.kv_cache_spec.num_kv_heads == arch.num_key_value_heads // 2
 
 
 def test_a_size_that_does_not_divide_the_heads_is_named(qwen3_checkpoint):

@@ -23,6 +23,7 @@ from engine.models.moe import StackedExperts
 from engine.models.quantization import (ACTIVATION_SCALES, WeightFormat, dequantize, fp8_gemms, fp8_projections,
                                         round_projections_to_fp8, store_fp8, weight_format)
 from engine.models.registry import model_class
+from engine.models.tensor_parallel import Collectives, check_divisible, shard_layer, shard_vocab
 from engine.models.rope import is_positive
 from ops import FP8_DTYPES
 
@@ -300,17 +301,22 @@ def init_random_weights(part: nn.Module, prefix: str, generator: torch.Generator
                 param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * std)
 
 
-def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[DecoderForCausalLM, list[int]]:
+def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
+                group: Collectives | None = None) -> tuple[DecoderForCausalLM, list[int]]:
     """The model on `device` in `dtype`, its FP8 weights dequantized (a checkpoint's) or its projections
     rounded to FP8 (model.quantization=fp8), its norm weights folded (in float32, before the cast), and its
     EOS token ids. Where the device has FP8 GEMMs, per-row FP8 projections stay in FP8 (quantization.py).
     The model is laid out on the meta device, then each part (model_parts) in turn gets its storage, its
     weights in float32 and its final form: the memory a build needs beyond the finished model is one part's
-    in float32 (a 70B model in FP8 never exists in bfloat16)."""
+    in float32 (a 70B model in FP8 never exists in bfloat16). group: a tensor-parallel rank's Collectives:
+    each layer keeps only the rank's share as soon as it is finished, the embedding and the head once the
+    model is built (engine/models/tensor_parallel.py), so a rank holds its share and one part beyond it."""
     path = resolve_model_path(model_cfg)
     if path:
         check_checkpoint(path)
     cls, arch, eos = model_spec(model_cfg, path)
+    if group:
+        check_divisible(arch, group.world)
     fmt = weight_format(read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}") if path else None
     with torch.device("meta"):
         model = cls(arch, model_cfg.max_model_len)
@@ -327,12 +333,16 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype) -> tuple[De
             init_random_weights(part, prefix, generator, model_cfg.initializer_range)
         if isinstance(part, DecoderLayer):
             _finish_layer(part, round_to_fp8, keep_fp8, dtype)
+            if group:
+                shard_layer(part, group)
         else:
             part.to(dtype)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary.to_empty(device=device).reset_buffers()
     model.model.rotary.to(dtype)
+    if group:
+        shard_vocab(model, group)
     return model.requires_grad_(False).eval(), eos
 
 

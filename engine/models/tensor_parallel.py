@@ -1,5 +1,6 @@
-"""A decoder split over the ranks of a tensor-parallel group (Megatron-style): shard_model keeps, of a built
-model (norms folded, in its dtype), the share of rank r of W.
+"""A decoder split over the ranks of a tensor-parallel group (Megatron-style): shard_layer keeps, of a
+finished layer (norms folded, in its dtype), the share of rank r of W, and shard_vocab, of a built model,
+that of the embedding and the head (the loader calls them as it builds: engine/models/loader.py).
 
 - Column-parallel (each rank a slice of the outputs; the weight's rows split): qkv_proj, each of q, k and v
   by heads (Hq / W and Hkv / W each); gate_up_proj, gate and up each by I / W; the experts' gate_up_proj.
@@ -22,7 +23,7 @@ from torch import nn
 
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec
-from engine.models.decoder import DecoderForCausalLM, DecoderMLP
+from engine.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderMLP
 from engine.models.layers import PackedLinear
 from engine.models.moe import SparseMoeMLP
 
@@ -80,32 +81,35 @@ def check_divisible(arch, world: int) -> None:
 
 
 @torch.no_grad()
-def shard_model(model: DecoderForCausalLM, group: Collectives) -> DecoderForCausalLM:
-    """Keep rank group.rank's share of every weight (the module docstring's split), in place; returns model."""
+def shard_layer(layer: DecoderLayer, group: Collectives) -> None:
+    """Keep rank group.rank's share of the layer's weights (the module docstring's split), in place."""
+    rank, world = group.rank, group.world
+    attn = layer.self_attn
+    _split_rows(attn.qkv_proj, rank, world)
+    attn.num_heads, attn.num_kv_heads = attn.num_heads // world, attn.num_kv_heads // world
+    _split_columns(attn.o_proj, rank, world)
+    if isinstance(layer.mlp, DecoderMLP):
+        _split_rows(layer.mlp.gate_up_proj, rank, world)
+        _split_columns(layer.mlp.down_proj, rank, world)
+    elif isinstance(layer.mlp, SparseMoeMLP):
+        experts = layer.mlp.experts
+        gate, up = experts.gate_up_proj.chunk(2, dim=1)
+        experts.gate_up_proj = _kept(torch.cat([gate.chunk(world, 1)[rank], up.chunk(world, 1)[rank]], 1))
+        experts.down_proj = _kept(experts.down_proj.chunk(world, 2)[rank])
+        experts.intermediate_size //= world
+    layer.all_reduce = group.all_reduce
+
+
+@torch.no_grad()
+def shard_vocab(model: DecoderForCausalLM, group: Collectives) -> None:
+    """Keep rank group.rank's slice of the embedding and the head, and its K/V heads in kv_cache_spec."""
     rank, world, arch = group.rank, group.world, model.arch
-    check_divisible(arch, world)
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        _split_rows(attn.qkv_proj, rank, world)
-        attn.num_heads, attn.num_kv_heads = attn.num_heads // world, attn.num_kv_heads // world
-        _split_columns(attn.o_proj, rank, world)
-        if isinstance(layer.mlp, DecoderMLP):
-            _split_rows(layer.mlp.gate_up_proj, rank, world)
-            _split_columns(layer.mlp.down_proj, rank, world)
-        elif isinstance(layer.mlp, SparseMoeMLP):
-            experts = layer.mlp.experts
-            gate, up = experts.gate_up_proj.chunk(2, dim=1)
-            experts.gate_up_proj = _kept(torch.cat([gate.chunk(world, 1)[rank], up.chunk(world, 1)[rank]], 1))
-            experts.down_proj = _kept(experts.down_proj.chunk(world, 2)[rank])
-            experts.intermediate_size //= world
-        layer.all_reduce = group.all_reduce
     per_rank = -(-arch.vocab_size // world)
     embedding = _vocab_slice(model.model.embed_tokens.weight, rank, per_rank)
     model.model.embed_tokens = VocabParallelEmbedding(embedding, rank * per_rank, group.all_reduce)
     head = embedding if arch.tie_word_embeddings else _vocab_slice(model.lm_head.weight, rank, per_rank)
     model.lm_head = VocabParallelHead(head, arch.vocab_size, group.all_gather)
     model.kv_cache_spec = KVCacheSpec(arch.num_hidden_layers, arch.num_key_value_heads // world, arch.head_dim)
-    return model
 
 
 def _kept(tensor: torch.Tensor) -> nn.Parameter:
