@@ -52,10 +52,11 @@ def triton_fp8(xq, xs, w8, m: int, k: int) -> tuple[float, tuple | None]:
 
 def w8a16(x, w8, m: int, n: int, k: int, sweep: bool) -> tuple[float, tuple]:
     """ops.fp8_weight_matmul's time (ms per matmul) with fp8_tiles' choice, or with sweep the fastest of a few
-    weight tiles around it (the same row tile)."""
+    tiles around it: its row tile or 16 rows (whose weight tiles the other row tiles read from L2 as they
+    run beside it), each with 12 weight tiles."""
     layers, default = len(w8), fp8_tiles(m)
-    candidates = [default] + ([(default[0], bn, bk, 4, stages) for bn in (32, 64, 128) for bk in (128, 256)
-                               for stages in (3, 4)] if sweep else [])
+    candidates = [default] + ([(bm, bn, bk, 4, stages) for bm in dict.fromkeys((16, default[0]))
+                               for bn in (32, 64, 128) for bk in (128, 256) for stages in (3, 4)] if sweep else [])
     best = (float("inf"), default)
     for tiles in dict.fromkeys(candidates):
         run = lambda q, s: fp8_gemm.fp8_weight_matmul(x, q, s.reshape(-1), tiles=tiles)  # noqa: E731

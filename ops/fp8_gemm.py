@@ -11,7 +11,7 @@ import triton.language as tl
 def _w8a16_kernel(x_ptr, w_ptr, scale_ptr, iw_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
                   HAS_INPUT_WEIGHT: tl.constexpr, ADD: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)  # the row tiles of a weight tile run side by side
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -52,7 +52,7 @@ def fp8_weight_matmul(x, weight, weight_scale, input_weight=None, residual=None,
     if M == 0:
         return out
     block_m, block_n, block_k, warps, stages = tiles or fp8_tiles(M)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _w8a16_kernel[grid](x, weight, weight_scale, x if input_weight is None else input_weight, out, M, N, K,
                         x.stride(0), weight.stride(0), out.stride(0), HAS_INPUT_WEIGHT=input_weight is not None,
                         ADD=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
