@@ -351,8 +351,8 @@ def _finish_layer(layer: DecoderLayer, round_to_fp8: bool, keep_fp8: bool, dtype
     """A layer with its float32 weights -> its projections rounded to FP8 (round_to_fp8), its norms folded,
     cast to dtype, and its per-row FP8 projections stored in FP8 (keep_fp8)."""
     if round_to_fp8:
-        round_projections_to_fp8([layer])
-    fp8 = fp8_projections([layer]) if keep_fp8 else {}
+        round_projections_to_fp8(layer)
+    fp8 = fp8_projections(layer) if keep_fp8 else {}
     layer.fold_norm_weights(apart=fp8.keys())
     layer.to(dtype)
     store_fp8(fp8)

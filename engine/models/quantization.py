@@ -107,11 +107,11 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, wha
     return weight.float() * scale
 
 
-def round_projections_to_fp8(layers) -> None:
-    """model.quantization=fp8: every projection of the decoder layers (the Linear modules inside them)
-    becomes the dequantized value of its per-channel e4m3 quantization, in place."""
+def round_projections_to_fp8(layer) -> None:
+    """model.quantization=fp8: every projection of a decoder layer (the Linear modules inside it) becomes
+    the dequantized value of its per-channel e4m3 quantization, in place."""
     with torch.no_grad():
-        for module in (m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+        for module in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
             q, scale = quantize_rows_to_e4m3(module.weight.detach())
             module.weight.copy_(q.float() * scale)
 
@@ -123,12 +123,12 @@ def fp8_gemms(device: torch.device, dtype: torch.dtype) -> bool:
         torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
-def fp8_projections(layers) -> dict:
-    """{projection: (q e4m3 [out, in], scale float32 [out])} of every Linear in the decoder layers whose
+def fp8_projections(layer) -> dict:
+    """{projection: (q e4m3 [out, in], scale float32 [out])} of every Linear in a decoder layer whose
     sizes torch._scaled_mm takes (multiples of 16), from its weights as they are (float32, before the norm
     fold): quantize_rows_to_e4m3's, which gives back a per-row FP8 weight's own values."""
     projections = {}
-    for module in (m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)):
+    for module in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
         if module.in_features % 16 == 0 and module.out_features % 16 == 0:
             q, scale = quantize_rows_to_e4m3(module.weight.detach())
             projections[module] = (q, scale.reshape(-1))
