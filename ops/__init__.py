@@ -3,7 +3,7 @@
 Each takes backend=None|"triton"|"torch": None picks Triton for CUDA tensors and the PyTorch reference
 otherwise. Each family is a pair of modules: the Triton kernels in ops/<family>.py and their readable
 PyTorch versions, which state the contracts, in ops/<family>_reference.py (paged_attention, fused,
-sampling). Two Triton modules mirror a function of another family's reference: cascade.py,
+sampling, moe, fp8_gemm). Two Triton modules mirror a function of another family's reference: cascade.py,
 paged_attention_reference.cascade_attention_decode; logprob_kernels.py, sampling_reference.logprobs
 (not named logprobs.py: importing a submodule ops.logprobs would rebind the function ops.logprobs to
 it). The cache's address map and the ops' contracts: docs/design.md. The Triton modules are imported only
