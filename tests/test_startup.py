@@ -97,3 +97,17 @@ def test_a_job_builds_its_engine_for_the_sequences_its_rows_run(make_config, mon
     uncapped, summary = job("uncapped")
     assert summary["max_num_seqs"] == default
     assert [r["output_token_ids"] for r in capped] == [r["output_token_ids"] for r in uncapped]
+
+
+def test_building_a_model_imports_neither_dynamo_nor_sympy():
+    """build_model lays the model out on the meta device without running torch's Python references there
+    (init functions, empty_like), whose first calls import torch._dynamo and sympy: seconds of a job's
+    start-up. A fresh interpreter builds the tiny model and lists what it imported; torch.nn.init's
+    functions are torch's own again afterwards."""
+    code = ("import sys, torch\nfrom engine.config import engine_config\nfrom engine.models.loader import build_model\n"
+            "build_model(engine_config('tiny').model, torch.device('cpu'), torch.float32)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+            "print(torch.nn.init.normal_.__module__, torch.nn.init.kaiming_uniform_.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=300).stdout.splitlines()
+    assert out == ["[]", "torch.nn.init torch.nn.init"]

@@ -2,6 +2,7 @@
 resolved to its snapshot in the local hub cache), or with seeded random weights of the configured shape
 (the embedded default and the benchmarks). Either way a config.json dict describes the model (the
 checkpoint's, or one made of the model.* keys): its architectures pick the class, which reads its arch."""
+import contextlib
 import functools
 import itertools
 import json
@@ -34,6 +35,7 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 COUNT_KEYS = (*SHAPE_KEYS, "num_key_value_heads", "head_dim")  # positive integers where present
 SCALE_KEYS = ("rms_norm_eps",)  # positive finite numbers where present (rope_theta: engine/models/rope.py)
 COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)  # stored by some checkpoints; the model computes its own
+SKIPPED_INIT = ("normal_", "uniform_", "kaiming_uniform_")  # torch.nn.init's, as the meta layout is built
 HEADER_FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # safetensors' names
 
 
@@ -318,7 +320,7 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
     if group:
         check_divisible(arch, group.world)
     fmt = weight_format(read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}") if path else None
-    with torch.device("meta"):
+    with torch.device("meta"), _skipped_init():
         model = cls(arch, model_cfg.max_model_len)
     checkpoint = checkpoint_parts(model, path, fmt) if path else None
     generator = None if path else torch.Generator(device).manual_seed(model_cfg.seed)
@@ -326,7 +328,7 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
     keep_fp8 = (model_cfg.quantization == "fp8" or (fmt is not None and fmt.strategy != "block")) \
         and fp8_gemms(device, dtype)
     for prefix, part in model_parts(model):
-        part.to_empty(device=device)
+        _give_storage(part, device)
         if checkpoint:
             checkpoint.load(prefix, part)
         else:
@@ -339,11 +341,37 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
             part.to(dtype)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.to_empty(device=device).reset_buffers()
+    _give_storage(model.model.rotary, device).reset_buffers()
     model.model.rotary.to(dtype)
     if group:
         shard_vocab(model, group)
     return model.requires_grad_(False).eval(), eos
+
+
+def _give_storage(module: nn.Module, device: torch.device) -> nn.Module:
+    """module.to_empty(device=device) by torch.empty of each tensor's shape and dtype: to_empty's empty_like
+    of a meta tensor runs torch's Python reference, whose first call imports sympy (0.47 s on a CPU)."""
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
+@contextlib.contextmanager
+def _skipped_init():
+    """torch.nn.init's functions that nn.Linear's and nn.Embedding's reset_parameters call, as no-ops while
+    the layout is built on the meta device: there they run as Python references, whose first call imports
+    torch._dynamo (about 4.6 s of a job's start-up on the H200's host), for values nothing reads (every
+    weight is drawn or loaded afterwards)."""
+    saved = {name: getattr(torch.nn.init, name) for name in SKIPPED_INIT}
+    for name in SKIPPED_INIT:
+        setattr(torch.nn.init, name, _unchanged)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def _unchanged(tensor, *args, **kwargs):
+    return tensor
 
 
 @torch.no_grad()
