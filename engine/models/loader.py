@@ -212,13 +212,10 @@ class CheckpointParts:
         needed = {(name, shard) for name in params for shard in _shards(modules[name.rpartition(".")[0]], name)}
         loaded = set()
         for file, entries in itertools.groupby(self.by_part[prefix], key=lambda entry: entry[0]):
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    for _, name, target, shard in entries:
-                        loaded.add(self._copy(f.get_tensor(name), name, file, part, target.removeprefix(prefix + "."),
-                                              shard))
-            except (SafetensorError, OSError) as err:
-                raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
+            with _opened(file) as f:
+                for _, name, target, shard in entries:
+                    loaded.add(self._copy(f.get_tensor(name), name, file, part, target.removeprefix(prefix + "."),
+                                          shard))
         missing = sorted({f"{prefix}.{name}" for name, _ in needed - loaded})
         if missing:
             raise ConfigError(f"model.path {str(self.path)!r}: weights missing for {missing[:5]}")
@@ -240,11 +237,8 @@ class CheckpointParts:
 def _tensor_dtypes(file: Path) -> list[tuple[str, object]]:
     """(name, dtype) of each tensor of a safetensors file, from its header: a torch dtype for FP8, else the
     header's name of the dtype."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            dtypes = [(name, f.get_slice(name).get_dtype()) for name in f.keys()]
-    except (SafetensorError, OSError) as err:
-        raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
+    with _opened(file) as f:
+        dtypes = [(name, f.get_slice(name).get_dtype()) for name in f.keys()]
     return [(name, HEADER_FP8_DTYPES.get(dtype, dtype)) for name, dtype in dtypes]
 
 
@@ -253,12 +247,19 @@ def _scale_tensors(files: list[Path], fmt: WeightFormat) -> dict[str, tuple[torc
     and its scale may lie in different files."""
     scales = {}
     for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                scales.update({name: (f.get_tensor(name), file) for name in f.keys() if name.endswith(fmt.scale_suffix)})
-        except (SafetensorError, OSError) as err:
-            raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
+        with _opened(file) as f:
+            scales.update({name: (f.get_tensor(name), file) for name in f.keys() if name.endswith(fmt.scale_suffix)})
     return scales
+
+
+@contextlib.contextmanager
+def _opened(file: Path):
+    """safe_open(file); ConfigError naming the file for a file that cannot be read."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as err:
+        raise ConfigError(f"model.path: cannot read the weights in {file} ({err})") from None
 
 
 def _dequantized(tensor: torch.Tensor, name: str, file: Path, fmt: WeightFormat,
