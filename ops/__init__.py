@@ -157,12 +157,21 @@ def apply_penalties(logits, token_ids, prompt_lens, num_tokens, repetition, pres
 FP8_DTYPES = paged_attention_reference.FP8_DTYPES
 
 
-def quantize_rows_to_e4m3(x, input_weight=None, backend=None):
+def quantize_rows_to_e4m3(x, input_weight=None, rows=None, backend=None):
     """(q float8_e4m3fn, scale float32 [R, 1]) with x' [R, C] ~ q * scale, x' = x * input_weight (optional, [C]:
     a folded RMSNorm's weight) in float32: each row's scale is its largest magnitude / 448 (an all-zero row:
     1), so its largest value maps to e4m3's largest. Weights per output row (engine/models/quantization.py)
-    and activations per token (fp8_matmul) alike (ops/fused_reference.py; Triton: one kernel)."""
-    return _pick(backend, x, "fused").quantize_rows_to_e4m3(x, input_weight)
+    and activations per token (fp8_matmul) alike (ops/fused_reference.py; Triton: one kernel). rows (>= R):
+    q and scale get that many rows, the first R x's; the others are padding for a GEMM, whose own rows
+    of the product nothing reads (their values are the backend's: unwritten memory in Triton's)."""
+    if rows is not None and rows < x.shape[0]:
+        raise ValueError(f"rows must be at least x's {x.shape[0]}, got {rows}")
+    return _pick(backend, x, "fused").quantize_rows_to_e4m3(x, input_weight, rows)
+
+
+# cuBLASLt's FP8 GEMM takes up to twice as long at 129-255 rows as at 256 (the H200, benchmarks/NOTES.md,
+# session 23): fp8_matmul pads those row counts to 256
+SCALED_MM_PADDED = (128, 256)
 
 
 def fp8_matmul(x, weight, weight_scale, input_weight=None):
@@ -171,13 +180,17 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None):
     weight_scale float32 [N] (one scale per output row); input_weight [K] (optional): a folded RMSNorm's
     weight, multiplied into x first. Each row of x' = x * input_weight goes to e4m3 (quantize_rows_to_e4m3);
     torch._scaled_mm multiplies the FP8 operands, accumulating in
-    float32, and applies both scales. Contract: the float64 product of the dequantized operands, to float32
-    accumulation (tests/test_fp8_weights.py)."""
-    if x.shape[0] == 0:
+    float32, and applies both scales; on CUDA it runs SCALED_MM_PADDED's row counts padded up to its bound.
+    Contract: the float64 product of the dequantized operands, to float32 accumulation
+    (tests/test_fp8_weights.py)."""
+    rows = x.shape[0]
+    if rows == 0:
         return x.new_empty((0, weight.shape[0]))
-    q, scale = quantize_rows_to_e4m3(x, input_weight)
-    return torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
-                            out_dtype=x.dtype)
+    low, high = SCALED_MM_PADDED
+    q, scale = quantize_rows_to_e4m3(x, input_weight, high if x.is_cuda and low < rows < high else None)
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
+                           out_dtype=x.dtype)
+    return out[:rows]
 
 
 def fp8_weight_matmul(x, weight, weight_scale, input_weight=None, residual=None, backend=None):

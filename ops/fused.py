@@ -6,7 +6,7 @@ references: ops/fused_reference.py).
                             key_cache, value_cache, slot_mapping[T], qk_norm=None, input_norm=None,
                             bias=None) -> q'
     silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I]
-    quantize_rows_to_e4m3(x[R, C], input_weight=None) -> (float8_e4m3fn [R, C], float32 [R, 1])
+    quantize_rows_to_e4m3(x[R, C], input_weight=None, rows=None) -> (float8_e4m3fn [rows, C], float32 [rows, 1])
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
 rounding steps (float32 math, casts to the model dtype where the torch code casts; a folded input norm's
@@ -284,11 +284,11 @@ def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, s_x, s_q, E4M3
         tl.store(q_ptr + row * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-def quantize_rows_to_e4m3(x, input_weight=None):
+def quantize_rows_to_e4m3(x, input_weight=None, rows=None):
     R, C = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
-    q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((R, 1), dtype=torch.float32, device=x.device)
+    q = torch.empty((rows or R, C), dtype=torch.float8_e4m3fn, device=x.device)  # rows past R: not written
+    scale = torch.empty((rows or R, 1), dtype=torch.float32, device=x.device)
     if R == 0:
         return q, scale
     block = min(4096, triton.next_power_of_2(C))

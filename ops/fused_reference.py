@@ -13,9 +13,11 @@ torch backend gives bit-identical results to them:
         per-head rms_norm over D of each (Qwen3's QK-norm). k' and v are written to the cache through
         slot_mapping (write_kv_cache of ops/paged_attention_reference.py); q' is returned.
     silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I] = silu(x[:, :I]) * x[:, I:]
-    quantize_rows_to_e4m3(x[R, C], input_weight=None) -> (q float8_e4m3fn [R, C], scale float32 [R, 1]):
+    quantize_rows_to_e4m3(x[R, C], input_weight=None, rows=None) -> (q float8_e4m3fn [rows, C], scale float32
+                                                                    [rows, 1]):
         x' = x.float() (* input_weight.float()), scale = amax(|x'| per row) / 448 (1 for a zero row),
-        q = clamp(x' / scale, -448, 448) rounded to e4m3 (to nearest, ties to even)
+        q = clamp(x' / scale, -448, 448) rounded to e4m3 (to nearest, ties to even); rows (>= R, default
+        R): the rows allocated, those past R padding (zeros here, not written by the Triton kernel)
 
 Folded input norm. Given input_norm = (hidden[T,H], eps), q, k, v (or x) are projections of the raw
 hidden rows by weights that already hold the preceding RMSNorm's weight (W * norm_weight, column-wise),
@@ -73,8 +75,9 @@ def silu_and_mul(x, input_norm=None, bias=None):
     return F.silu(gate) * up
 
 
-def quantize_rows_to_e4m3(x, input_weight=None):
+def quantize_rows_to_e4m3(x, input_weight=None, rows=None):
     x = x.float() if input_weight is None else x.float() * input_weight.float()
+    x = torch.nn.functional.pad(x, (0, 0, 0, (rows or x.shape[0]) - x.shape[0]))
     amax = x.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale

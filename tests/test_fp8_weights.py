@@ -183,13 +183,14 @@ FP8_GEMM_DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("device", FP8_GEMM_DEVICES)
-def test_fp8_matmul_is_the_float64_product_of_its_quantized_operands(device):
+@pytest.mark.parametrize("rows", [7, 136])  # 136: padded to 256 rows on CUDA (ops.SCALED_MM_PADDED)
+def test_fp8_matmul_is_the_float64_product_of_its_quantized_operands(device, rows):
     """ops.fp8_matmul against its contract computed here in float64: x' = x * input_weight, per-row scale
     amax / 448, the e4m3 rounding of x' / scale, then the product of the dequantized operands (float32 on
     the CPU; bfloat16 on CUDA, where torch._scaled_mm's row-wise scales give bfloat16 only)."""
     generator = torch.Generator().manual_seed(11)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    x, weight = (torch.randn(7, 96, generator=generator) * 3).to(dtype), torch.randn(64, 96, generator=generator) / 10
+    x, weight = (torch.randn(rows, 96, generator=generator) * 3).to(dtype), torch.randn(64, 96, generator=generator) / 10
     x[3] = 0  # an all-zero row: scale 1
     norm_weight = torch.rand(96, generator=generator) + 0.5
     q_w, w_scale = row_quantized(weight)
@@ -199,7 +200,7 @@ def test_fp8_matmul_is_the_float64_product_of_its_quantized_operands(device):
     x_scale[x_scale == 0] = 1
     q_x = (scaled / x_scale).to(torch.float8_e4m3fn)
     expected = (q_x.double() * x_scale) @ (q_w.double() * w_scale.double()).T
-    assert out.dtype == x.dtype and out.shape == (7, 64)
+    assert out.dtype == x.dtype and out.shape == (rows, 64)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # the output's rounding
     assert torch.allclose(out.double(), expected, rtol=tolerance, atol=tolerance)
     assert not torch.allclose(out.double(), scaled @ weight.double().T, rtol=1e-3)  # FP8 rounding shows
@@ -258,6 +259,24 @@ def test_triton_quantize_rows_is_the_reference_bit_for_bit(dtype, rows, cols):
         q, scale = ops.quantize_rows_to_e4m3(x, w, backend="triton")
         q_ref, scale_ref = ops.quantize_rows_to_e4m3(x, w, backend="torch")
         assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton's interpreter rounds float32 to e4m3 wrongly (tests/test_fused.py)"))])
+def test_quantize_rows_pads_to_the_rows_asked(backend):
+    """rows beyond x's: q and scale get that many rows and their first R are the unpadded call's, the
+    float64 formula's (amax / 448, e4m3 of x / scale) as in test_fp8_matmul; fewer rows than x's is refused."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 48, generator=generator) * 9
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, scale = ops.quantize_rows_to_e4m3(x.to(device), rows=8, backend=backend)
+    assert q.shape == (8, 48) and scale.shape == (8, 1)
+    expected_scale = x.double().abs().amax(dim=1, keepdim=True) / 448
+    assert torch.allclose(scale[:5].cpu().double(), expected_scale, rtol=1e-6)
+    dequantized = q[:5].cpu().double() * scale[:5].cpu().double()
+    assert torch.allclose(dequantized, x.double(), rtol=2 ** -3, atol=expected_scale.max().item() * 2 ** -6)
+    with pytest.raises(ValueError, match="rows must be at least x's 5, got 4"):
+        ops.quantize_rows_to_e4m3(x, rows=4, backend=backend)
 
 
 @pytest.mark.skipif(len(FP8_GEMM_DEVICES) == 1, reason="needs CUDA of compute capability 8.9 (FP8 GEMMs)")
