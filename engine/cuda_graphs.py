@@ -121,6 +121,9 @@ class DecodeGraphs:
 
 
 PIECE_BUCKETS = 64  # at most about this many multiples of the step, so that capture time stays bounded
+# Steps of more tokens run eagerly: their kernels outlast their launches, so a graph gains nothing there,
+# and each bucket costs ~37 ms of start-up (29 pieces on the 0.6B shape; benchmarks/NOTES.md, session 24)
+PIECE_MAX_TOKENS = 2048
 
 
 def token_buckets(max_tokens: int) -> list[int]:

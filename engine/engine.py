@@ -12,6 +12,7 @@ import torch
 from engine.block_manager import KVBlockManager, blocks_needed
 from engine.config import cpu_threads
 from engine.constraint import Constraint
+from engine.cuda_graphs import PIECE_MAX_TOKENS
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, RequestError
 from engine.generation_config import read_generation_config, stop_ids
@@ -137,7 +138,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
         graph_batch = 0 if eager else max_num_seqs
-        piece_tokens = max_num_batched_tokens if piecewise_graphs_on(cfg.model, self.device) and not eager else 0
+        piece_tokens = min(max_num_batched_tokens, PIECE_MAX_TOKENS) if piecewise_graphs_on(cfg.model, self.device) \
+            and not eager else 0
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
                                   self.eos_token_ids, cascade, piece_tokens, cfg.scheduler.step_timeout_s)
         if self.runner.pieces is not None:
