@@ -87,10 +87,15 @@ want rollout && { bench rollout job.workload=rollout; steps $runs/rollout/steps.
 if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the first time on this machine, then again
   for run in first again; do
     t0=$(date +%s.%N)
-    python3 -m engine.run job=bench model=${MODEL:-qwen3-0.6b} job.num_prompts=64 hydra.run.dir=$runs/startup_$run 2>&1 |
-      grep -E "start-up|output tok/s" | tee -a "$out/startup.log"
+    python3 -m engine.run job=bench model=${MODEL:-qwen3-0.6b} job.num_prompts=64 hydra.run.dir=$runs/startup_$run \
+      >"$out/startup_$run.log" 2>&1; grep -E "start-up|output tok/s" "$out/startup_$run.log" | tee -a "$out/startup.log"
     echo "$run: process wall $(python3 -c "import time; print(round(time.time() - $t0, 2))") s" | tee -a "$out/startup.log"
   done
+  # the warm run's whole wall by function (cProfile: cumulative seconds, the 45 largest)
+  python3 -m cProfile -o "$out/startup.prof" -m engine.run job=bench model=${MODEL:-qwen3-0.6b} job.num_prompts=64 \
+    hydra.run.dir=$runs/startup_profiled >/dev/null 2>&1
+  python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(45)" "$out/startup.prof" \
+    | tail -n 55 | cut -c1-160 >"$out/startup_profile.txt"
   # what the 12-13 s before the engine are: the imports' cumulative times, largest first
   python3 -X importtime -c "import jobs.cli, jobs.generate, jobs.bench, engine.engine" 2>&1 >/dev/null |
     sort -t'|' -k2 -n -r | head -25 | tee -a "$out/startup.log"

@@ -22,7 +22,7 @@ from engine.models.loader import build_model, resolve_model_path
 from engine.parallel import build_parallel_model
 from engine.prefix_groups import CascadePolicy
 from engine.reasoning import reasoning_parser as make_reasoning_parser
-from engine.sampler import MAX_LOGPROBS, compile_samplers
+from engine.sampler import MAX_LOGPROBS, start_compiling_samplers
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.startup import Laps, process_age_s
@@ -87,8 +87,8 @@ class LLMEngine:
         occur (a 64-row job's start-up captured and warmed 36 batch sizes up to 512). startup_s: where its
         start-up went, in seconds: before_engine, the process's age when it began (None where unknown:
         engine/startup.py), then its phases in order (model: build and weights; tokenizer; kv_pool: sizing
-        and allocation; graphs: the runner's CUDA graph captures; warm_up), which add up to its
-        construction."""
+        and allocation; graphs: the end of the samplers' compilation, begun after the model, then the runner's
+        CUDA graph captures; warm_up), which add up to its construction."""
         laps, started_s = Laps(), process_age_s()
         self.cfg = cfg
         self.run_dir = run_dir
@@ -109,6 +109,9 @@ class LLMEngine:
         if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
             torch.set_num_threads(cpu_threads(cfg.model, self.model.arch.hidden_size))
         laps.lap("model")
+        # the samplers' kernels compile while the tokenizer loads and the KV pool is sized
+        compiling = start_compiling_samplers(self.model.arch.vocab_size, self.dtype, self.device) \
+            if self.device.type == "cuda" else []
         self.tokenizer = load_tokenizer(cfg.model)
         if cfg.model.tokenizer and len(self.tokenizer) > self.model.arch.vocab_size:
             raise ConfigError(f"model.tokenizer: its {len(self.tokenizer)} tokens do not fit the model's vocabulary "
@@ -134,6 +137,8 @@ class LLMEngine:
                  str(kv_dtype).removeprefix("torch."), num_blocks / max_blocks_per_seq, self.max_model_len)
         self.block_manager = KVBlockManager(num_blocks, self.block_size, self.prefix_caching)
         laps.lap("kv_pool")
+        for future in compiling:  # before the graphs' capture, which takes the whole device
+            future.result()
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
@@ -173,7 +178,6 @@ class LLMEngine:
             self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their kernels compile here
                              SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=MAX_LOGPROBS))
         list(self.run())
-        compile_samplers(vocab, self.dtype, self.device)  # the run above draws only without truncation
         self.block_manager.reset_prefix_cache()
         self.stats = StatsRecorder()  # the warm-up is not part of the run
 

@@ -16,6 +16,7 @@ repetition, presence and frequency penalties (ops.apply_penalties), then tempera
 A batch that uses none of the processors or logprobs pays nothing for them: SamplingTensors.build
 leaves their tensors None and sample() goes straight to the samplers.
 """
+import concurrent.futures
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -124,18 +125,33 @@ def draw(logits: torch.Tensor, t: SamplingTensors, fallbacks: torch.Tensor | Non
                                   fallbacks=fallbacks)
 
 
-def compile_samplers(vocab_size: int, dtype: torch.dtype, device) -> None:
-    """Draws once through each sampler (plain, and with truncation) and applies a structured-output mask,
-    for each logits dtype they can be handed (the model's; float32 once a row has a penalty). Triton
-    compiles a kernel at its first call, which inside a run stalls it: a top-p run's first step took 3.7 s
-    on the H200, a constrained run's 0.47 s (benchmarks/NOTES.md)."""
+def start_compiling_samplers(vocab_size: int, dtype: torch.dtype, device) -> list[concurrent.futures.Future]:
+    """On CUDA: draws once through each sampler (plain, and with truncation), takes MAX_LOGPROBS logprobs and
+    applies a structured-output mask, for each logits dtype they can be handed (the model's; float32 once a
+    row has a penalty), each case on a thread of its own; returns at once, its Futures done when the cases
+    are. Triton compiles a kernel at its first call, which inside a run stalls it (a top-p run's first step
+    took 3.7 s on the H200, a constrained run's 0.47 s: benchmarks/NOTES.md); a compilation spends part of
+    its time without the GIL (ptxas, LLVM), so the cases compile side by side and beside the caller's own
+    work. Wait for them before a CUDA graph capture, during which no other thread may use the device."""
     plain, truncated = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05)
-    everything = torch.full((2, bitmask_words(vocab_size)), -1, dtype=torch.int32, device=device)
-    for logits_dtype in {dtype, torch.float32}:
+    cases = [(logits_dtype, params) for logits_dtype in {dtype, torch.float32} for params in (plain, truncated, None)]
+    pool = concurrent.futures.ThreadPoolExecutor(len(cases), thread_name_prefix="compile-samplers")
+    futures = [pool.submit(_draw_once, vocab_size, logits_dtype, params, device) for logits_dtype, params in cases]
+    pool.shutdown(wait=False)  # its threads end with their case
+    return futures
+
+
+def _draw_once(vocab_size: int, logits_dtype: torch.dtype, params: SamplingParams | None, device) -> None:
+    """A draw of 2 rows with params, or (None) a mask applied and logprobs taken, then synchronised."""
+    with torch.cuda.device(device):
         logits = torch.zeros(2, vocab_size, dtype=logits_dtype, device=device)
-        for params in (plain, truncated):
+        if params is not None:
             sample(logits, SamplingTensors.build([params] * 2, [0, 0], vocab_size, device))
-        ops.apply_token_bitmask(logits, everything, torch.arange(2, device=device))
+        else:
+            everything = torch.full((2, bitmask_words(vocab_size)), -1, dtype=torch.int32, device=device)
+            ops.apply_token_bitmask(logits, everything, torch.arange(2, device=device))
+            ops.logprobs(logits, torch.zeros(2, dtype=torch.int64, device=device), MAX_LOGPROBS)
+        torch.cuda.current_stream().synchronize()
 
 
 def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
