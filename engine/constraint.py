@@ -26,14 +26,17 @@ class Constraint:
         self._finished = active and matcher.is_finished
 
     def advance(self, outputs: list[int], end: int, newest: int | None = None) -> None:
-        """Read outputs[read:end] in place (no copy of the list: it grows with every token); newest: the id
+        """Read outputs[read:end] (copying only those, not the list, which grows with every token); newest: the id
         of outputs[end - 1] when the list still holds its placeholder (drawn in the step in flight)."""
         if end <= self.read:
             return  # read already: the matcher may be a fill's now
-        for i in range(self.read, end):
-            token = newest if newest is not None and i == end - 1 else outputs[i]
+        tokens = outputs[self.read:end]  # the unread ones: one, in a step
+        if newest is not None:
+            tokens[-1] = newest
+        accept = self.matcher.accept
+        for token in tokens:
             if self.active:
-                self.matcher.accept(token)  # a token it refuses stops it (is_finished): the mask leaves only EOS
+                accept(token)  # a token it refuses stops it (is_finished): the mask leaves only EOS
             else:
                 self.active = token == self.start_token_id
         self.read = end

@@ -133,18 +133,18 @@ class GrammarMatcher:
     """One sequence's place in its grammar. Not thread-safe: one thread drives a matcher (the engine's);
     distinct matchers may be filled in parallel (fill_bitmasks)."""
 
-    __slots__ = ("_matcher", "vocab_size")
+    __slots__ = ("_matcher", "vocab_size", "accept")
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
-        """vocab_size: the width its bitmask rows cover (its compiler's, allocate_bitmask's)."""
+        """vocab_size: the width its bitmask rows cover (its compiler's, allocate_bitmask's).
+
+        accept(token_id) -> bool: advance by one drawn token; False if the grammar rejects it (the matcher
+        then stays in an error state, rejects everything after, and its mask allows only EOS). EOS is
+        accepted when the text so far is complete, and again after it. The library's method itself, bound
+        here: a step calls it for every constrained row, on the host's critical path (benchmarks/NOTES.md)."""
         self._matcher = matcher
         self.vocab_size = vocab_size
-
-    def accept(self, token_id: int) -> bool:
-        """Advance by one drawn token; False if the grammar rejects it (the matcher then stays in an
-        error state, rejects everything after, and its mask allows only EOS). EOS is accepted when
-        the text so far is complete, and again after it."""
-        return self._matcher.consume_token(token_id)
+        self.accept = matcher.consume_token
 
     @property
     def is_finished(self) -> bool:
