@@ -105,10 +105,11 @@ def trained_tokenizer(vocab: int, site_packages: bool = False):
 
 
 def constraints(hf) -> dict[str, tuple[StructuredOutputsParams, list[int]]]:
-    """CONSTRAINTS as (params, the output's token ids, EOS last)."""
+    """CONSTRAINTS as (params, the output's token ids, EOS last); JSON as the engine's grammars write it,
+    without whitespace between tokens (engine/structured.py's JSON_DEFAULTS)."""
     made = {}
     for name, (value, output) in CONSTRAINTS.items():
-        text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+        text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, separators=(",", ":"))
         made[name] = (StructuredOutputsParams.from_value(value),
                       hf.encode(text, add_special_tokens=False) + [hf.eos_token_id])
     return made

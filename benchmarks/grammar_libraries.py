@@ -6,7 +6,6 @@ by one; medians. xgrammar is not a dependency: `pip install xgrammar` beside tor
 apache-tvm-ffi and pydantic).
 Usage: python benchmarks/grammar_libraries.py TOKENIZER_DIR [ROWS]   (e.g. .bench/bpe151k, 512)
 """
-import json
 import os
 import statistics
 import sys
@@ -17,21 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import xgrammar  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from benchmarks.grammar_backends import CONSTRAINTS  # noqa: E402
+from benchmarks.grammar_backends import constraints  # noqa: E402
 from engine.structured import GrammarCompiler, StructuredOutputsParams, allocate_bitmask, fill_bitmasks  # noqa: E402
 
 VOCAB = 151936  # Qwen3's logits width
 STEPS = 60
-
-
-def json_outputs(hf) -> dict[str, tuple[StructuredOutputsParams, list[int]]]:
-    """The JSON constraints of CONSTRAINTS as (params, a valid compact output's token ids, EOS last)."""
-    made = {}
-    for name, (value, output) in CONSTRAINTS.items():
-        if name.startswith("json"):
-            text = json.dumps(output, ensure_ascii=False, separators=(",", ":"))
-            made[name] = (StructuredOutputsParams.from_value(value), hf.encode(text, add_special_tokens=False) + [hf.eos_token_id])
-    return made
 
 
 class Llguidance:
@@ -110,7 +99,7 @@ def time_rows(library, made, rows: int) -> tuple[float, float]:
 def main() -> None:
     hf = AutoTokenizer.from_pretrained(sys.argv[1])
     rows = int(sys.argv[2]) if len(sys.argv) > 2 else 512
-    made = json_outputs(hf)
+    made = {name: case for name, case in constraints(hf).items() if name.startswith("json")}
     print(f"{os.cpu_count()} CPUs")
     for library in (Llguidance(hf), Xgrammar(hf)):
         name = type(library).__name__

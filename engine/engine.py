@@ -175,7 +175,7 @@ class LLMEngine:
         vocab = self.model.arch.vocab_size
         for i in range(num_seqs):  # distinct prompts: prefix-cache hits would shrink the prefill step
             tokens = max(1, min(i + 1, room - prompt))
-            self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their kernels compile here
+            self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their path at every batch size
                              SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=MAX_LOGPROBS))
         list(self.run())
         self.block_manager.reset_prefix_cache()
