@@ -8,8 +8,7 @@ _scaled_mm). Each is timed as the engine runs it: over
 num_hidden_layers distinct weights (from HBM, not L2), captured in one CUDA graph, replayed (benchmarks/ops.bench,
 do_bench medians); time per matmul = replay time / layers.
 Usage (GPU): [MODEL=qwen3-0.6b] [PROJ=gate_up,down] [LAYERS=n] [TRITON=0] python3 benchmarks/fp8_gemm.py [M ...]
-(default 16 64 128 256 512; PROJ: some of qkv, o, gate_up, down, default all; the w8a16 column is
-ops.fp8_weight_matmul with fp8_tiles' tiles, or at the M in TILE_ROWS=16,128 the best of a few; the Triton sweep compiles every
+(default 16 64 128 256 512; each row is followed by torch._scaled_mm's variants and fp8_matmul's paths, scaled_mm_variants and fp8_matmul_paths; PROJ: some of qkv, o, gate_up, down, default all; the Triton sweep compiles every
 config, ~25 s a row, TRITON=0 leaves it out; LAYERS: distinct weights per projection, default the model's
 layers; a 70B model's bf16 copies of all 80 do not fit, and 2 of its weights already exceed the L2)
 """
@@ -22,8 +21,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ops  # noqa: E402
-from ops import fp8_gemm  # noqa: E402
-from ops.fp8_gemm import fp8_tiles  # noqa: E402
 from benchmarks.gemm import configs, shapes, triton_linear  # noqa: E402
 from benchmarks.ops import bench  # noqa: E402
 from engine.config import engine_config  # noqa: E402
@@ -50,21 +47,36 @@ def triton_fp8(xq, xs, w8, m: int, k: int) -> tuple[float, tuple | None]:
     return best
 
 
-def w8a16(x, w8, m: int, n: int, k: int, sweep: bool) -> tuple[float, tuple]:
-    """ops.fp8_weight_matmul's time (ms per matmul) with fp8_tiles' choice, or with sweep the fastest of a few
-    tiles around it: its row tile or 16 rows (whose weight tiles the other row tiles read from L2 as they
-    run beside it), each with 12 weight tiles."""
-    layers, default = len(w8), fp8_tiles(m)
-    candidates = [default] + ([(bm, bn, bk, 4, stages) for bm in dict.fromkeys((16, default[0]))
-                               for bn in (32, 64, 128) for bk in (128, 256) for stages in (3, 4)] if sweep else [])
-    best = (float("inf"), default)
-    for tiles in dict.fromkeys(candidates):
-        run = lambda q, s: fp8_gemm.fp8_weight_matmul(x, q, s.reshape(-1), tiles=tiles)  # noqa: E731
-        try:
-            best = min(best, (bench(lambda: [run(q, s) for q, s in w8], graph=True) / layers, tiles))
-        except Exception as e:  # noqa: BLE001 (out of shared memory or registers)
-            print(f"  skip {tiles}: {type(e).__name__}")
-    return best
+def scaled_mm_variants(xq, xs, w8) -> dict[str, float]:
+    """The GEMM alone (ms per matmul) as the engine runs it (row-wise scales, which torch sends to its CUTLASS
+    kernel on Hopper), with fast accumulation, and with one scale per tensor (cuBLASLt), each with and without
+    fast accumulation: whether another of torch's FP8 paths reads the weights faster at decode sizes."""
+    layers, one = len(w8), torch.ones((), device=xq.device)
+    rowwise = lambda fast: lambda: [torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.reshape(1, -1),  # noqa: E731
+                                                     out_dtype=torch.bfloat16, use_fast_accum=fast) for q, s in w8]
+    tensorwise = lambda fast: lambda: [torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one,  # noqa: E731
+                                                        out_dtype=torch.bfloat16, use_fast_accum=fast) for q, _ in w8]
+    return {name: bench(fn, graph=True) / layers for name, fn in (
+        ("gemm_rowwise", rowwise(False)), ("gemm_rowwise_fast", rowwise(True)),
+        ("gemm_tensorwise", tensorwise(False)), ("gemm_tensorwise_fast", tensorwise(True)))}
+
+
+def fp8_matmul_paths(x, w8) -> dict[str, float]:
+    """ops.fp8_matmul (ms per matmul) down each of its paths, with and without a residual to add into: unit
+    scales then scale_product, and the row-wise scales of _scaled_mm itself (padded as the op pads): where
+    ops.UNIT_SCALE_ROWS and UNIT_SCALE_ROWS_WITH_RESIDUAL belong."""
+    layers, residual = len(w8), torch.zeros(x.shape[0], w8[0][0].shape[0], device=x.device, dtype=x.dtype)
+    times = {}
+    for path, rows in (("op_unit", 1 << 30), ("op_rowwise", 0)):
+        for name, res in ((path, None), (path + "+res", residual)):
+            saved = ops.UNIT_SCALE_ROWS, ops.UNIT_SCALE_ROWS_WITH_RESIDUAL
+            ops.UNIT_SCALE_ROWS = ops.UNIT_SCALE_ROWS_WITH_RESIDUAL = rows
+            try:
+                times[name] = bench(lambda: [ops.fp8_matmul(x, q, s.reshape(-1), None, res) for q, s in w8],
+                                    graph=True) / layers
+            finally:
+                ops.UNIT_SCALE_ROWS, ops.UNIT_SCALE_ROWS_WITH_RESIDUAL = saved
+    return times
 
 
 def main(rows: list[int]) -> None:
@@ -73,9 +85,8 @@ def main(rows: list[int]) -> None:
     layers = int(os.environ.get("LAYERS", arch.num_hidden_layers))
     sweep = os.environ.get("TRITON", "1") != "0"
     print(f"{cfg.model.name}: per matmul, us (over {layers} distinct weights, one CUDA graph)")
-    tile_rows = {int(r) for r in os.environ.get("TILE_ROWS", "").split(",") if r}
     print(f"{'proj':8s} {'M':>5s} {'bf16':>8s} {'fp8 gemm':>9s} {'triton fp8':>11s} {'quant':>7s} {'fp8_matmul':>11s} "
-          f"{'speed-up':>9s} {'w8a16':>7s} {'TB/s':>6s} w8a16 tiles  triton config")
+          f"{'speed-up':>9s} {'TB/s':>6s} triton config")
     chosen = os.environ.get("PROJ", "").split(",") if os.environ.get("PROJ") else list(shapes(arch))
     for name, (n, k) in ((name, nk) for name, nk in shapes(arch).items() if name in chosen):
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(layers)]
@@ -86,13 +97,15 @@ def main(rows: list[int]) -> None:
             t16 = bench(lambda: [F.linear(x, w) for w in w16], graph=True) / layers
             tgemm = bench(lambda: [torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.reshape(1, -1),
                                                     out_dtype=torch.bfloat16) for q, s in w8], graph=True) / layers
+            gemm_variants = scaled_mm_variants(xq, xs, w8) | fp8_matmul_paths(x, w8)
             ttriton, best = triton_fp8(xq, xs, w8, m, k) if sweep else (float("nan"), None)
             tquant = bench(lambda: [ops.quantize_rows_to_e4m3(x) for _ in w8], graph=True) / layers
             tfp8 = bench(lambda: [ops.fp8_matmul(x, q, s.reshape(-1)) for q, s in w8], graph=True) / layers
-            tw8, tiles = w8a16(x, w8, m, n, k, m in tile_rows)
             print(f"{name:8s} {m:5d} {t16 * 1e3:8.1f} {tgemm * 1e3:9.1f} {ttriton * 1e3:11.1f} {tquant * 1e3:7.1f} "
-                  f"{tfp8 * 1e3:11.1f} {t16 / tfp8:8.2f}x {tw8 * 1e3:7.1f} {n * k / tw8 / 1e9:6.2f} {tiles} "
+                  f"{tfp8 * 1e3:11.1f} {t16 / tfp8:8.2f}x {n * k / tfp8 / 1e9:6.2f} "
                   f"{best}", flush=True)
+            print(f"{'':8s} {m:5d} GEMM variants and fp8_matmul's paths, us: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in gemm_variants.items()),
+                  flush=True)
         del w16, w8
         torch.cuda.empty_cache()
 

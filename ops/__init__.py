@@ -9,6 +9,7 @@ paged_attention_reference.cascade_attention_decode; logprob_kernels.py, sampling
 it). The cache's address map and the ops' contracts: docs/design.md. The Triton modules are imported only
 when asked for: triton is optional on CPU.
 """
+import functools
 import importlib
 
 import torch
@@ -169,39 +170,52 @@ def quantize_rows_to_e4m3(x, input_weight=None, rows=None, backend=None):
     return _pick(backend, x, "fused").quantize_rows_to_e4m3(x, input_weight, rows)
 
 
-# cuBLASLt's FP8 GEMM takes up to twice as long at 129-255 rows as at 256 (the H200, benchmarks/NOTES.md,
-# session 23): fp8_matmul pads those row counts to 256
+# torch's FP8 GEMM with a scale per row of each operand (CUTLASS on Hopper) takes up to twice as long at 129-255
+# rows as at 256 (the H200, benchmarks/NOTES.md, session 23): fp8_matmul pads those row counts to 256
 SCALED_MM_PADDED = (128, 256)
+# Up to this many rows (more with a residual: then the scaling kernel is also the sum's) fp8_matmul multiplies
+# with unit scales, which torch sends to cuBLASLt, whose FP8 GEMM read the Qwen3-8B weights 1.3-2x as fast at
+# 1-128 rows on the H200 (benchmarks/NOTES.md, session 25), and scales the float32 product in a kernel of its own:
+# faster up to 64 rows for gate_up, up to 256 with a residual for o_proj and down_proj
+UNIT_SCALE_ROWS = 64
+UNIT_SCALE_ROWS_WITH_RESIDUAL = 256
 
 
-def fp8_matmul(x, weight, weight_scale, input_weight=None):
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device):
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
+def _check_residual(residual, rows, cols, dtype):
+    if residual is not None and (residual.shape != (rows, cols) or residual.dtype != dtype):
+        raise ValueError(f"residual must be [{rows}, {cols}] in {dtype}, got {tuple(residual.shape)} in {residual.dtype}")
+
+
+def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backend=None):
     """x [T, K] (the model's dtype) @ (weight * weight_scale[:, None])^T -> [T, N] in x's dtype: W8A8 with
-    dynamic per-token activation scales, as torch ops on any device. weight float8_e4m3fn [N, K] with
-    weight_scale float32 [N] (one scale per output row); input_weight [K] (optional): a folded RMSNorm's
-    weight, multiplied into x first. Each row of x' = x * input_weight goes to e4m3 (quantize_rows_to_e4m3);
-    torch._scaled_mm multiplies the FP8 operands, accumulating in
-    float32, and applies both scales; on CUDA it runs SCALED_MM_PADDED's row counts padded up to its bound.
-    Contract: the float64 product of the dequantized operands, to float32 accumulation
-    (tests/test_fp8_weights.py)."""
-    rows = x.shape[0]
+    dynamic per-token activation scales. weight float8_e4m3fn [N, K] with weight_scale float32 [N] (one scale
+    per output row); input_weight [K] (optional): a folded RMSNorm's weight, multiplied into x first;
+    residual [T, N] (optional): the product is added into it, in place, and it is returned. Each row of
+    x' = x * input_weight goes to e4m3 (quantize_rows_to_e4m3); torch._scaled_mm multiplies the FP8 operands,
+    accumulating in float32. Up to UNIT_SCALE_ROWS rows (UNIT_SCALE_ROWS_WITH_RESIDUAL with a residual) it
+    does so with unit scales into float32, and scale_product (ops/fp8_gemm.py) applies both scales (and the
+    residual's sum) in one rounding; above, _scaled_mm applies them itself, the row counts of
+    SCALED_MM_PADDED padded up to its bound on CUDA. Contract: the float64 product of the dequantized
+    operands, to float32 accumulation (tests/test_fp8_weights.py)."""
+    rows, cols = x.shape[0], weight.shape[0]
+    _check_residual(residual, rows, cols, x.dtype)
     if rows == 0:
-        return x.new_empty((0, weight.shape[0]))
+        return residual if residual is not None else x.new_empty((0, cols))
+    if rows <= (UNIT_SCALE_ROWS if residual is None else UNIT_SCALE_ROWS_WITH_RESIDUAL):
+        q, scale = quantize_rows_to_e4m3(x, input_weight, backend=backend)
+        one = _unit_scale(x.device)
+        raw = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return _pick(backend, x, "fp8_gemm").scale_product(raw, scale, weight_scale, residual, x.dtype)
     low, high = SCALED_MM_PADDED
-    q, scale = quantize_rows_to_e4m3(x, input_weight, high if x.is_cuda and low < rows < high else None)
+    q, scale = quantize_rows_to_e4m3(x, input_weight, high if x.is_cuda and low < rows < high else None, backend)
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
-                           out_dtype=x.dtype)
-    return out[:rows]
-
-
-def fp8_weight_matmul(x, weight, weight_scale, input_weight=None, residual=None, backend=None):
-    """x [M, K] (the model's dtype, not rounded) @ (weight * weight_scale[:, None])^T -> [M, N] in x's dtype:
-    W8A16, the FP8 weights widened as they are read (weight float8_e4m3fn [N, K], weight_scale float32 [N]);
-    input_weight [K] (optional): a folded RMSNorm's weight, multiplied into x first; residual [M, N]
-    (optional): the product is added into it, in place (ops/fp8_gemm_reference.py; Triton: one kernel)."""
-    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] in {x.dtype}, got "
-                         f"{tuple(residual.shape)} in {residual.dtype}")
-    return _pick(backend, x, "fp8_gemm").fp8_weight_matmul(x, weight, weight_scale, input_weight, residual)
+                           out_dtype=x.dtype)[:rows]
+    return out if residual is None else residual.add_(out)
 
 
 def moe_route(router_logits, top_k: int, renormalize: bool):

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ops import paged_attention
-from ops.paged_attention import LOG2E, attend_range, dot_precision, load_query_tile, store_partial, tile_owner
+from ops.paged_attention import LOG2E, attend_range, dot_dtype, dot_precision, load_query_tile, store_partial, tile_owner
 
 CHUNK_MIN_TOKENS = 256  # a prefix chunk writes BLOCK_M x D float32 partials: keep it well above that
 
@@ -41,7 +41,7 @@ def _prefix_kernel(
     s_btb,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,7 +64,7 @@ def _prefix_kernel(
     row_mask = (offs_m < BLOCK_Q * G) & (tile_start + offs_m // G < num_rows)
     d_mask = offs_d < HEAD_DIM
     q, m_i, l_i, acc = load_query_tile(q_ptr, rows, heads, row_mask, offs_d, d_mask, s_qb, s_qh, s_qd,
-                                       BLOCK_M, BLOCK_D, UPCAST)
+                                       BLOCK_M, BLOCK_D, DOT_DTYPE)
     # the group's first row's block table: its prefix blocks are every member's
     acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + row0.to(tl.int64) * s_btb, start, end,
@@ -100,7 +100,7 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         G=Hq // Hkv, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=part_o.shape[3], BLOCK_SIZE=bs,
         BLOCK_N=cfg["BLOCK_N"], ALIGN=decode_block_n if bs % decode_block_n == 0 else 1,
-        BLOCK_S=part_lse.shape[2], DOT_PREC=dot_precision(q.dtype), UPCAST=not q.is_cuda,
+        BLOCK_S=part_lse.shape[2], DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

@@ -29,7 +29,7 @@ Kernels (the cache write is ops/fused.py's, inside rope_and_write_kv_cache):
 Every read is bounded by seq_len: no read of block-table padding, of -1 entries, or of unused
 slots of a sequence's last block.
 The kernels' shared pieces, which ops/cascade.py's kernels use too: tile_owner, load_query_tile,
-attend_range and store_partial (Triton functions), dot_precision and sm_count (their launches').
+attend_range and store_partial (Triton functions), dot_dtype, dot_precision and sm_count (their launches').
 """
 import functools
 from typing import Optional
@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from ops import paged_attention_reference
 
 LOG2E = 1.4426950408889634
 
@@ -73,7 +75,7 @@ def _attn_tile(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=d_mask[None, :], other=0.0)
-    k = k.to(q.dtype)  # an FP8 cache's keys widened to the query's dtype (a no-op otherwise)
+    k = k.to(q.dtype)  # the dot dtype (dot_dtype): an FP8 cache's keys widened to it
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -88,7 +90,12 @@ def _attn_tile(
                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
         v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=d_mask[None, :], other=0.0)
-    v = v.to(q.dtype)
+    if v.dtype.is_fp8():
+        # widened before tl.dot's operand layout: the PV product reads v transposed, which Triton otherwise
+        # does a byte at a time from shared memory (on the H200 the decode kernel took 12-16% longer so)
+        v = tl.where(n_mask[:, None], v.to(q.dtype), 0.0)
+    else:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -117,14 +124,12 @@ def tile_owner(cu_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd,
-                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
-    """The [BLOCK_M, BLOCK_D] query tile whose row i is query row q_rows[i], head heads[i], in the dtype
-    tl.dot gets, which the K/V tiles are read in (float32 in the interpreter, whose 16-bit tl.dot is
-    wrong in Triton 3.9; else the query's), and a fresh online-softmax state."""
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The [BLOCK_M, BLOCK_D] query tile whose row i is query row q_rows[i], head heads[i], in DOT_DTYPE, the
+    dtype tl.dot gets and the K/V tiles are read in (dot_dtype), and a fresh online-softmax state."""
     q = tl.load(q_ptr + q_rows[:, None] * s_qt + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = q.to(DOT_DTYPE)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -166,7 +171,7 @@ def _decode_kernel(
     s_ob, s_oh, s_od,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_CTX_START: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_CTX_START: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """Attention of each sequence's query over its tokens [ctx_start, seq_len) (ctx_start 0 unless
     HAS_CTX_START; then it must be a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0). SPLIT writes
@@ -202,7 +207,7 @@ def _decode_kernel(
     g_mask = offs_g < G
     d_mask = offs_d < HEAD_DIM
     q, m_i, l_i, acc = load_query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
-                                       s_qb, s_qh, s_qd, BLOCK_G, BLOCK_D, UPCAST)
+                                       s_qb, s_qh, s_qd, BLOCK_G, BLOCK_D, DOT_DTYPE)
     acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + b.to(tl.int64) * s_btb, start, end,
         s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
@@ -285,6 +290,9 @@ DECODE_CFG = {
     # (benchmarks/NOTES.md, version 26)
     "gpu_short": dict(BLOCK_N=32, num_warps=4, num_stages=2),
     "gpu_fp32": dict(BLOCK_N=32, num_warps=4, num_stages=2),
+    # an FP8 cache: the fastest of six tiles on the H200 over 3 shapes, 12-15% faster than "gpu"'s there
+    # (benchmarks/NOTES.md, session 25)
+    "gpu_fp8": dict(BLOCK_N=128, num_warps=4, num_stages=2),
     "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
 }
 SPLIT_MIN_TOKENS = 128      # never cut a sequence into pieces shorter than this (on average)
@@ -309,6 +317,21 @@ def decode_num_splits(batch, num_kv_heads, max_ctx, device, balance=True):
     return 1 << (n - 1).bit_length() if n > 1 else 1  # round up to a power of two
 
 
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def dot_dtype(q, key_cache):
+    """The dtype the attention kernels multiply in (DOT_DTYPE): float32 in the interpreter, whose 16-bit tl.dot
+    is wrong in Triton 3.9; float16 for bfloat16 queries over an FP8 cache, because e4m3 and e5m2 widen to
+    float16 in one instruction a pair where bfloat16 takes three (it holds every FP8 value exactly, and a
+    bfloat16 query too, up to float16's range of 65504); else the query's dtype."""
+    if not q.is_cuda:
+        return tl.float32
+    if key_cache.dtype in paged_attention_reference.FP8_DTYPES and q.dtype == torch.bfloat16:
+        return tl.float16
+    return _TL_DTYPES[q.dtype]
+
+
 def dot_precision(dtype):
     """tl.dot's input_precision (DOT_PREC) for queries of this dtype (the K/V tiles are read in it)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -319,7 +342,9 @@ def decode_cfg(q, key_cache, short_contexts=False):
         return DECODE_CFG["interp"]
     if q.dtype == torch.float32:
         return DECODE_CFG["gpu_fp32"]
-    return DECODE_CFG["gpu_short" if short_contexts else "gpu"]
+    if short_contexts:
+        return DECODE_CFG["gpu_short"]
+    return DECODE_CFG["gpu_fp8" if key_cache.dtype in paged_attention_reference.FP8_DTYPES else "gpu"]
 
 
 def decode_partials(q, num_slots):
@@ -352,7 +377,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
         G=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), HEAD_DIM=D,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
-        HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=not q.is_cuda,
+        HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -416,7 +441,7 @@ def _prefill_kernel(
     s_ot, s_oh, s_od,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -436,7 +461,7 @@ def _prefill_kernel(
     q_pos = ctx + tok
     q_rows = (q_start + tok).to(tl.int64)
     q, m_i, l_i, acc = load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, s_qd,
-                                       BLOCK_M, BLOCK_D, UPCAST)
+                                       BLOCK_M, BLOCK_D, DOT_DTYPE)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
     vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
@@ -514,7 +539,7 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
         float(scale) * LOG2E, B,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
         G=G, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(q.dtype), UPCAST=not q.is_cuda,
+        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

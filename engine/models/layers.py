@@ -29,30 +29,20 @@ class RMSNorm(nn.Module):
             linear.weight.mul_(self.weight)
 
 
-# An FP8 projection of up to this many rows on CUDA reads its weights widened to the activations' dtype
-# (ops.fp8_weight_matmul, W8A16), without rounding them or a kernel to do it: at 16 rows on the H200 the
-# Qwen3-8B projections took 12.6-37.6 us so, against 16.4-46.2 us through cuBLASLt's FP8 GEMM and
-# 14.6-50.1 us in bfloat16; at 64 rows and more the Triton kernel was the slowest (benchmarks/NOTES.md).
-FP8_WEIGHT_ONLY_ROWS = 16
-
-
 def project(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ linear's weight^T, without its bias: an FP8 weight (weight_scale per row, the input_weight of a
-    norm folded apart) through ops.fp8_weight_matmul (a CUDA call of up to FP8_WEIGHT_ONLY_ROWS rows: then
-    residual, if given, takes the product in place) or ops.fp8_matmul (W8A8), else one matmul."""
+    norm folded apart) through ops.fp8_matmul (W8A8), which adds the product into residual, if given, in
+    place; else one matmul (residual: unused, see add_linear_)."""
     if linear.weight.dtype != torch.float8_e4m3fn:
         return torch.nn.functional.linear(x, linear.weight)
     input_weight = getattr(linear, "input_weight", None)
-    if x.is_cuda and x.shape[0] <= FP8_WEIGHT_ONLY_ROWS:
-        return ops.fp8_weight_matmul(x, linear.weight, linear.weight_scale, input_weight, residual)
-    out = ops.fp8_matmul(x, linear.weight, linear.weight_scale, input_weight)
-    return out if residual is None else residual.add_(out)
+    return ops.fp8_matmul(x, linear.weight, linear.weight_scale, input_weight, residual)
 
 
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, all_reduce=None) -> torch.Tensor:
     """residual += linear(x), in place: the matmul adds into residual as it writes (addmm's beta = 1), so
-    the sum takes no kernel of its own (an FP8 weight's neither in the W8A16 kernel: project's residual;
-    after a W8A8 GEMM it takes one). all_reduce: a
+    the sum takes no kernel of its own (an FP8 weight's: project's residual, summed inside fp8_matmul's
+    scaling kernel, or after a GEMM of more rows). all_reduce: a
     row-parallel linear's (engine/models/tensor_parallel.py): x @ W^T is this rank's partial sum, summed
     over the ranks before it joins residual."""
     if all_reduce is not None:

@@ -15,7 +15,7 @@ output row (amax / 448: ops.quantize_rows_to_e4m3), as vLLM's quantization="fp8"
 Where the device multiplies FP8 in hardware (fp8_gemms: CUDA of compute capability 8.9, Ada and Hopper, in
 bfloat16) the projections of per-row formats (channel, tensor, model.quantization=fp8) stay in e4m3 with a
 scale per output row (fp8_projections, then store_fp8) and run W8A8 (ops.fp8_matmul: activations rounded
-per token), or W8A16 for calls of few rows (engine/models/layers.py's project); their norms fold apart
+per token; engine/models/layers.py's project); their norms fold apart
 (RMSNorm.fold_into). Elsewhere, and for block-scaled checkpoints until a
 block-scaled GEMM exists, the model computes with the dequantized weights (q * scale in float32, then the
 norm fold and the cast to the run's dtype): an FP8 checkpoint runs as the model its FP8 weights round to.
