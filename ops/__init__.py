@@ -186,11 +186,6 @@ def _unit_scale(device):
     return torch.ones((), dtype=torch.float32, device=device)
 
 
-def _check_residual(residual, rows, cols, dtype):
-    if residual is not None and (residual.shape != (rows, cols) or residual.dtype != dtype):
-        raise ValueError(f"residual must be [{rows}, {cols}] in {dtype}, got {tuple(residual.shape)} in {residual.dtype}")
-
-
 def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backend=None):
     """x [T, K] (the model's dtype) @ (weight * weight_scale[:, None])^T -> [T, N] in x's dtype: W8A8 with
     dynamic per-token activation scales. weight float8_e4m3fn [N, K] with weight_scale float32 [N] (one scale
@@ -203,7 +198,8 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backen
     SCALED_MM_PADDED padded up to its bound on CUDA. Contract: the float64 product of the dequantized
     operands, to float32 accumulation (tests/test_fp8_weights.py)."""
     rows, cols = x.shape[0], weight.shape[0]
-    _check_residual(residual, rows, cols, x.dtype)
+    if residual is not None and (residual.shape != (rows, cols) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be [{rows}, {cols}] in {x.dtype}, got {tuple(residual.shape)} in {residual.dtype}")
     if rows == 0:
         return residual if residual is not None else x.new_empty((0, cols))
     if rows <= (UNIT_SCALE_ROWS if residual is None else UNIT_SCALE_ROWS_WITH_RESIDUAL):

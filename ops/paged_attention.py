@@ -92,7 +92,7 @@ def _attn_tile(
         v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=d_mask[None, :], other=0.0)
     if v.dtype.is_fp8():
         # widened before tl.dot's operand layout: the PV product reads v transposed, which Triton otherwise
-        # does a byte at a time from shared memory (on the H200 the decode kernel took 12-16% longer so)
+        # does a byte at a time from shared memory (on the H200 the decode kernel took 5-6% longer so)
         v = tl.where(n_mask[:, None], v.to(q.dtype), 0.0)
     else:
         v = v.to(q.dtype)
@@ -290,7 +290,7 @@ DECODE_CFG = {
     # (benchmarks/NOTES.md, version 26)
     "gpu_short": dict(BLOCK_N=32, num_warps=4, num_stages=2),
     "gpu_fp32": dict(BLOCK_N=32, num_warps=4, num_stages=2),
-    # an FP8 cache: the fastest of six tiles on the H200 over 3 shapes, 12-15% faster than "gpu"'s there
+    # an FP8 cache: the fastest of six tiles on the H200 over 3 shapes, 6-8% faster than "gpu"'s there
     # (benchmarks/NOTES.md, session 25)
     "gpu_fp8": dict(BLOCK_N=128, num_warps=4, num_stages=2),
     "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
