@@ -73,13 +73,14 @@ class PagedAttention(nn.Module):
 
     @staticmethod
     def write(q, k, v, positions, rotary, key_cache, value_cache, slot_mapping, qk_norm=None, input_norm=None,
-              bias=None, out=None):
+              bias=None, out=None, scales=None):
         """RoPE of q and k with rotary's cos/sin tables, after the per-head RMSNorm qk_norm = (q_weight,
         k_weight, eps) when given, and before it the folded input norm's row scale and the bias
-        (ops.rope_and_write_kv_cache's input_norm and bias); the step's K/V into the cache -> the rotated q
-        (into out when given)."""
+        (ops.rope_and_write_kv_cache's input_norm and bias), and before those an FP8 product's scales (its
+        scales); the step's K/V into the cache -> the rotated q (into out when given)."""
         return ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache,
-                                           slot_mapping, qk_norm=qk_norm, input_norm=input_norm, bias=bias, out=out)
+                                           slot_mapping, qk_norm=qk_norm, input_norm=input_norm, bias=bias, out=out,
+                                           scales=scales)
 
     def attend(self, q, key_cache, value_cache, meta: AttentionMetadata, out=None) -> torch.Tensor:
         """Rotated q [T, Hq, D] -> attention output [T, Hq * D] (a view of out [T, Hq, D] when given)."""

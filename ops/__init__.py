@@ -32,12 +32,13 @@ def _pick(backend, tensor, family: str):
     return importlib.import_module(f"ops.{family}" if _use_triton(backend, tensor) else f"ops.{family}_reference")
 
 
-def _checked_out(out, q):
-    """An op's out (the attention ops', the fused RoPE's): None, or a tensor of q's shape, dtype and device
-    (a view is fine)."""
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+def _checked_out(out, q, dtype=None):
+    """An op's out (the attention ops', the fused RoPE's): None, or a tensor of q's shape, dtype (or the dtype
+    given) and device (a view is fine)."""
+    dtype = dtype or q.dtype
+    if out is not None and (out.shape != q.shape or out.dtype != dtype or out.device != q.device):
         raise ValueError(f"out must match q: got {tuple(out.shape)} {out.dtype} on {out.device}, "
-                         f"q is {tuple(q.shape)} {q.dtype} on {q.device}")
+                         f"q is {tuple(q.shape)} {dtype} on {q.device}")
     return out
 
 
@@ -85,7 +86,7 @@ def rms_norm(x, weight, eps, backend=None):
 
 
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, backend=None, *,
-                            qk_norm=None, input_norm=None, bias=None, out=None):
+                            qk_norm=None, input_norm=None, bias=None, out=None, scales=None):
     """q [T, Hq, D], k and v [T, Hkv, D]: RoPE of q and k with the float32 tables cos/sin [max_pos, D] at
     positions [T], after the per-head RMSNorm over D of each when qk_norm = (q_weight [D], k_weight [D],
     eps) is given (Qwen3's QK-norm); the rotated k and v go to the cache through slot_mapping (the contract
@@ -93,18 +94,33 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
     contiguous tensor shaped as q) when given. input_norm = (hidden [T, H], eps): q, k and v are projections
     of the raw hidden rows, the RMSNorm before them folded into their weight, and are first scaled by each
     row's rsqrt(mean(hidden^2) + eps); bias = (q_bias [Hq * D], k_bias [Hkv * D], v_bias [Hkv * D]) is
-    added after that (ops/fused_reference.py states the rounding). One kernel on CUDA."""
+    added after that (ops/fused_reference.py states the rounding). scales = (row_scale [T, 1], (q_cols, k_cols,
+    v_cols)): q, k and v are an FP8 product still to be scaled (fp8_product's), in float32; each is first scaled
+    and rounded to the model's dtype, which out and the returned q then have (input_norm's hidden's dtype, so
+    input_norm is needed). One kernel on CUDA."""
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous")
+    dtype = _deferred_dtype(scales, input_norm, q)
     return _pick(backend, q, "fused").rope_and_write_kv_cache(
         q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm, input_norm=input_norm,
-        bias=bias, out=_checked_out(out, q))
+        bias=bias, out=_checked_out(out, q, dtype), scales=scales, dtype=dtype)
 
 
-def silu_and_mul(x, backend=None, *, input_norm=None, bias=None):
+def silu_and_mul(x, backend=None, *, input_norm=None, bias=None, scales=None):
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]; with input_norm = (hidden [T, H], eps) and bias [2I], x is first
-    scaled and biased as rope_and_write_kv_cache's q."""
-    return _pick(backend, x, "fused").silu_and_mul(x, input_norm, bias)
+    scaled and biased as rope_and_write_kv_cache's q; scales = (row_scale [T, 1], columns [2I]): x is an FP8
+    product still to be scaled, as there."""
+    return _pick(backend, x, "fused").silu_and_mul(x, input_norm, bias, scales, _deferred_dtype(scales, input_norm, x))
+
+
+def _deferred_dtype(scales, input_norm, x):
+    """The dtype the fused ops round to and return: x's, or with an FP8 product's deferred scales the model's
+    (input_norm's hidden's)."""
+    if scales is None:
+        return x.dtype
+    if input_norm is None:
+        raise ValueError("scales need input_norm, whose hidden rows give the model's dtype")
+    return input_norm[0].dtype
 
 
 def gumbel_sample(logits, temperature, seed, step, backend=None):
@@ -203,15 +219,30 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backen
     if rows == 0:
         return residual if residual is not None else x.new_empty((0, cols))
     if rows <= (UNIT_SCALE_ROWS if residual is None else UNIT_SCALE_ROWS_WITH_RESIDUAL):
-        q, scale = quantize_rows_to_e4m3(x, input_weight, backend=backend)
-        one = _unit_scale(x.device)
-        raw = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        raw, (scale, _) = _unit_scale_product(x, weight, weight_scale, input_weight, backend)
         return _pick(backend, x, "fp8_gemm").scale_product(raw, scale, weight_scale, residual, x.dtype)
     low, high = SCALED_MM_PADDED
     q, scale = quantize_rows_to_e4m3(x, input_weight, high if x.is_cuda and low < rows < high else None, backend)
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
                            out_dtype=x.dtype)[:rows]
     return out if residual is None else residual.add_(out)
+
+
+def fp8_product(x, weight, weight_scale, input_weight=None, backend=None):
+    """fp8_matmul's product without a residual, for a kernel that reads it elementwise and applies its scales
+    there (the scales of rope_and_write_kv_cache and silu_and_mul): (product, scales). Up to UNIT_SCALE_ROWS rows
+    the product is the unit-scale GEMM's, float32 [T, N], and scales = (row_scale [T, 1], weight_scale [N]): the
+    scaling kernel is saved. Otherwise fp8_matmul's finished product, and None."""
+    if 0 < x.shape[0] <= UNIT_SCALE_ROWS:
+        return _unit_scale_product(x, weight, weight_scale, input_weight, backend)
+    return fp8_matmul(x, weight, weight_scale, input_weight, backend=backend), None
+
+
+def _unit_scale_product(x, weight, weight_scale, input_weight, backend):
+    """(the float32 product of x's quantized rows and weight, unit scales, (x's row scales, weight_scale))."""
+    q, scale = quantize_rows_to_e4m3(x, input_weight, backend=backend)
+    one = _unit_scale(x.device)
+    return torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32), (scale, weight_scale)
 
 
 def moe_route(router_logits, top_k: int, renormalize: bool):

@@ -87,15 +87,19 @@ def _input_norm_args(input_norm, x):
 # rope_and_write_kv_cache
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _projection(x_ptr, x_offs, b_ptr, b_offs, mask, inv, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """A projection's elements at x_ptr + x_offs, as the unfolded layers round them: the matmul of the
-    normalised hidden row (x * inv, in the model dtype), plus the bias at b_ptr + b_offs; in float32."""
-    dt = x_ptr.dtype.element_ty
+def _projection(x_ptr, x_offs, b_ptr, c_ptr, col, mask, row_scale, inv, DT: tl.constexpr, SCALED: tl.constexpr,
+                INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A projection's elements at x_ptr + x_offs, its weight's columns col, as the unfolded layers round them in
+    the model's dtype DT: an FP8 product's scales first (SCALED: times row_scale, then the column scales at
+    c_ptr + col, as scale_product), the matmul of the normalised hidden row (x * inv), plus the bias at
+    b_ptr + col; in float32."""
     y = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        y = (y * row_scale * tl.load(c_ptr + col, mask=mask, other=0.0)).to(DT).to(tl.float32)
     if INPUT_NORM:
-        y = (y * inv).to(dt).to(tl.float32)
+        y = (y * inv).to(DT).to(tl.float32)
     if HAS_BIAS:
-        y = (y + tl.load(b_ptr + b_offs, mask=mask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        y = (y + tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
     return y
 
 
@@ -112,10 +116,10 @@ def _narrowed(x, dtype: tl.constexpr):
 
 @triton.jit
 def _rope_heads(
-    x_ptr, b_ptr, o_ptr, w_ptr, cos_row, sin_row, s_cd,
+    x_ptr, b_ptr, c_ptr, o_ptr, w_ptr, cos_row, sin_row, s_cd,
     s_xh, s_xd, s_oh, s_od,
-    h0, n_heads, eps, inv, live,
-    NORM: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    h0, n_heads, eps, row_scale, inv, live,
+    DT: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Heads h0 .. h0 + BLOCK_H of one token, rotated, stored at o_ptr when live is nonzero."""
@@ -125,37 +129,42 @@ def _rope_heads(
     mask = (h < n_heads) & d_mask
     first = d < HEAD_DIM // 2
     pd = tl.where(first, d + HEAD_DIM // 2, d - HEAD_DIM // 2)  # rotary partner of d
-    dt = x_ptr.dtype.element_ty
-    y = _projection(x_ptr, h * s_xh + d * s_xd, b_ptr, h * HEAD_DIM + d, mask, inv, INPUT_NORM, HAS_BIAS)
-    yp = _projection(x_ptr, h * s_xh + pd * s_xd, b_ptr, h * HEAD_DIM + pd, mask, inv, INPUT_NORM, HAS_BIAS)
+    y = _projection(x_ptr, h * s_xh + d * s_xd, b_ptr, c_ptr, h * HEAD_DIM + d, mask, row_scale, inv,
+                    DT, SCALED, INPUT_NORM, HAS_BIAS)
+    yp = _projection(x_ptr, h * s_xh + pd * s_xd, b_ptr, c_ptr, h * HEAD_DIM + pd, mask, row_scale, inv,
+                     DT, SCALED, INPUT_NORM, HAS_BIAS)
     if NORM:
         inv_head = tl.rsqrt(tl.sum(y * y, 1) / HEAD_DIM + eps)[:, None]
         w = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + pd, mask=d_mask, other=0.0).to(tl.float32)
         # RMSNorm with the unfused rounding: weight * (x * inv).to(dtype), rounded to the dtype
-        y = (w * (y * inv_head).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        yp = (wp * (yp * inv_head).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y = (w * (y * inv_head).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+        yp = (wp * (yp * inv_head).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     rot = tl.where(first, -yp, yp)  # rotate_half: cat(-x2, x1)
-    c = tl.load(cos_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin_row + d * s_cd, mask=d_mask, other=0.0).to(dt).to(tl.float32)
-    out = (y * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
+    c = tl.load(cos_row + d * s_cd, mask=d_mask, other=0.0).to(DT).to(tl.float32)
+    s = tl.load(sin_row + d * s_cd, mask=d_mask, other=0.0).to(DT).to(tl.float32)
+    out = (y * c).to(DT).to(tl.float32) + (rot * s).to(DT).to(tl.float32)
     # (live + 0 * h) keeps the mask a block: the interpreter rejects a scalar & block mask
-    stored = _narrowed(out.to(dt).to(tl.float32), o_ptr.dtype.element_ty)
+    stored = _narrowed(out.to(DT).to(tl.float32), o_ptr.dtype.element_ty)
     tl.store(o_ptr + h * s_oh + d * s_od, stored, mask=mask & ((live + 0 * h) != 0))
 
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, v_ptr, qb_ptr, kb_ptr, vb_ptr, hid_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    qo_ptr, kc_ptr, vc_ptr,
+    q_ptr, k_ptr, v_ptr, qb_ptr, kb_ptr, vb_ptr, qs_ptr, ks_ptr, vs_ptr, rs_ptr, hid_ptr, qw_ptr, kw_ptr,
+    cos_ptr, sin_ptr, pos_ptr, slot_ptr, qo_ptr, kc_ptr, vc_ptr,
     num_q_heads, num_kv_heads, n_hidden, eps, hid_eps,
     s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd, s_ht, s_hc,
     s_qot, s_qoh, s_qod,
     s_kcb, s_kch, s_kct, s_kcd, s_vcb, s_vch, s_vct, s_vcd,
     s_cp, s_cd,
-    NORM: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HIDDEN: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    SCALED: tl.constexpr, NORM: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HIDDEN: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
+    """SCALED: q, k and v are an FP8 product still to be scaled, by each token's row scale at rs_ptr and the
+    column scales at qs_ptr, ks_ptr and vs_ptr; the roundings are in the dtype of q's output."""
+    DT: tl.constexpr = qo_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -164,34 +173,38 @@ def _rope_kernel(
     inv = 1.0
     if INPUT_NORM:
         inv = _inv_rms(hid_ptr + t * s_ht, s_hc, n_hidden, hid_eps, BLOCK_HIDDEN)
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(rs_ptr + t)
     q_groups = tl.cdiv(num_q_heads, BLOCK_H)
     if g < q_groups:
-        _rope_heads(q_ptr + t * s_qt, qb_ptr, qo_ptr + t * s_qot, qw_ptr, cos_row, sin_row, s_cd,
-                    s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps, inv, 1,
-                    NORM, INPUT_NORM, HAS_BIAS, HEAD_DIM, BLOCK_H, BLOCK_D)
+        _rope_heads(q_ptr + t * s_qt, qb_ptr, qs_ptr, qo_ptr + t * s_qot, qw_ptr, cos_row, sin_row, s_cd,
+                    s_qh, s_qd, s_qoh, s_qod, g * BLOCK_H, num_q_heads, eps, row_scale, inv, 1,
+                    DT, SCALED, NORM, INPUT_NORM, HAS_BIAS, HEAD_DIM, BLOCK_H, BLOCK_D)
     else:
         h0 = (g - q_groups) * BLOCK_H
         slot = tl.load(slot_ptr + t).to(tl.int64)
         live = (slot >= 0).to(tl.int32)  # slot -1: the token writes nothing
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
-        _rope_heads(k_ptr + t * s_kt, kb_ptr, kc_ptr + blk * s_kcb + off * s_kct, kw_ptr, cos_row, sin_row, s_cd,
-                    s_kh, s_kd, s_kch, s_kcd, h0, num_kv_heads, eps, inv, live,
-                    NORM, INPUT_NORM, HAS_BIAS, HEAD_DIM, BLOCK_H, BLOCK_D)
+        _rope_heads(k_ptr + t * s_kt, kb_ptr, ks_ptr, kc_ptr + blk * s_kcb + off * s_kct, kw_ptr, cos_row, sin_row,
+                    s_cd, s_kh, s_kd, s_kch, s_kcd, h0, num_kv_heads, eps, row_scale, inv, live,
+                    DT, SCALED, NORM, INPUT_NORM, HAS_BIAS, HEAD_DIM, BLOCK_H, BLOCK_D)
         h = h0 + tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < num_kv_heads) & (d < HEAD_DIM) & ((live + 0 * h) != 0)
-        v = _projection(v_ptr + t * s_vt, h * s_vh + d * s_vd, vb_ptr, h * HEAD_DIM + d, mask, inv,
-                        INPUT_NORM, HAS_BIAS)
+        v = _projection(v_ptr + t * s_vt, h * s_vh + d * s_vd, vb_ptr, vs_ptr, h * HEAD_DIM + d, mask, row_scale, inv,
+                        DT, SCALED, INPUT_NORM, HAS_BIAS)
         tl.store(vc_ptr + blk * s_vcb + h * s_vch + off * s_vct + d * s_vcd, _narrowed(v, vc_ptr.dtype.element_ty),
                  mask=mask)
 
 
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None,
-                            input_norm=None, bias=None, out=None):
+                            input_norm=None, bias=None, out=None, scales=None, dtype=None):
     """qk_norm: None for RoPE alone, else (q_weight, k_weight, eps) of the QK-norm before it; input_norm:
     (hidden, eps) of the RMSNorm folded into the projections, or None; bias: (q_bias, k_bias, v_bias) or
-    None; out: where the rotated q goes (None: a new tensor)."""
+    None; out: where the rotated q goes (None: a new tensor); scales: (row_scale, (q_cols, k_cols, v_cols)) of
+    an FP8 product still to be scaled, or None; dtype: the roundings' and the rotated q's (default q's)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     assert D % 2 == 0 and k.shape[2] == D and cos.shape[1] == D and sin.stride() == cos.stride()
@@ -200,19 +213,22 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
     else:
         q_weight, k_weight, eps = q, k, 0.0  # unused (NORM=False)
     q_bias, k_bias, v_bias = (b.contiguous() for b in bias) if bias is not None else (q, q, q)  # unused without
+    row_scale, (q_cols, k_cols, v_cols) = (scales[0].contiguous(), (c.contiguous() for c in scales[1])) \
+        if scales is not None else (q, (q, q, q))
     hidden, n_hidden, s_ht, s_hc, hidden_eps, block_hidden = _input_norm_args(input_norm, q)
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    q_out = torch.empty(q.shape, dtype=dtype or q.dtype, device=q.device) if out is None else out
     if T == 0:
         return q_out
     block_d = triton.next_power_of_2(D)
     block_h = max(1, min(triton.next_power_of_2(max(Hq, Hkv)), 2048 // block_d))
     grid = (T, triton.cdiv(Hq, block_h) + triton.cdiv(Hkv, block_h))
     _rope_kernel[grid](
-        q, k, v, q_bias, k_bias, v_bias, hidden, q_weight, k_weight, cos, sin, positions, slot_mapping, q_out,
-        key_cache, value_cache, Hq, Hkv, n_hidden, float(eps), hidden_eps,
+        q, k, v, q_bias, k_bias, v_bias, q_cols, k_cols, v_cols, row_scale, hidden, q_weight, k_weight, cos, sin,
+        positions, slot_mapping, q_out, key_cache, value_cache, Hq, Hkv, n_hidden, float(eps), hidden_eps,
         *q.stride(), *k.stride(), *v.stride(), s_ht, s_hc, *q_out.stride(), *key_cache.stride(),
         *value_cache.stride(), *cos.stride(),
-        NORM=qk_norm is not None, INPUT_NORM=input_norm is not None, HAS_BIAS=bias is not None, HEAD_DIM=D,
+        SCALED=scales is not None, NORM=qk_norm is not None, INPUT_NORM=input_norm is not None,
+        HAS_BIAS=bias is not None, HEAD_DIM=D,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HIDDEN=block_hidden, BLOCK_SIZE=key_cache.shape[2], num_warps=4,
     )
     return q_out
@@ -222,34 +238,43 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
 # silu_and_mul
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, b_ptr, hid_ptr, out_ptr, n_inter, n_hidden, hid_eps, s_x, s_xc, s_ht, s_hc, s_o, s_oc,
-                         INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_HIDDEN: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, b_ptr, c_ptr, rs_ptr, hid_ptr, out_ptr, n_inter, n_hidden, hid_eps, s_x, s_xc, s_ht,
+                         s_hc, s_o, s_oc, SCALED: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+    """SCALED: x is an FP8 product still to be scaled (rope's); the roundings are in the output's dtype."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_inter
     inv = 1.0
     if INPUT_NORM:
         inv = _inv_rms(hid_ptr + row * s_ht, s_hc, n_hidden, hid_eps, BLOCK_HIDDEN)
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(rs_ptr + row)
     x_row = x_ptr + row * s_x
-    gate = _projection(x_row, cols * s_xc, b_ptr, cols, mask, inv, INPUT_NORM, HAS_BIAS)
-    up = _projection(x_row, (cols + n_inter) * s_xc, b_ptr, cols + n_inter, mask, inv, INPUT_NORM, HAS_BIAS)
-    act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)  # F.silu, rounded
-    tl.store(out_ptr + row * s_o + cols * s_oc, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = _projection(x_row, cols * s_xc, b_ptr, c_ptr, cols, mask, row_scale, inv, DT, SCALED, INPUT_NORM, HAS_BIAS)
+    up = _projection(x_row, (cols + n_inter) * s_xc, b_ptr, c_ptr, cols + n_inter, mask, row_scale, inv, DT, SCALED,
+                     INPUT_NORM, HAS_BIAS)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)  # F.silu, rounded
+    tl.store(out_ptr + row * s_o + cols * s_oc, (act * up).to(DT), mask=mask)
 
 
-def silu_and_mul(x, input_norm=None, bias=None):
+def silu_and_mul(x, input_norm=None, bias=None, scales=None, dtype=None):
+    """scales: (row_scale, columns) of an FP8 product still to be scaled, or None; dtype: the output's and the
+    roundings' (default x's)."""
     T, two_i = x.shape
     inter = two_i // 2
-    out = torch.empty((T, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, inter), dtype=dtype or x.dtype, device=x.device)
     if T == 0 or inter == 0:
         return out
     hidden, n_hidden, s_ht, s_hc, hidden_eps, block_hidden = _input_norm_args(input_norm, x)
     block = min(1024, triton.next_power_of_2(inter))
+    row_scale, columns = (scales[0].contiguous(), scales[1].contiguous()) if scales is not None else (x, x)
     _silu_and_mul_kernel[(T, triton.cdiv(inter, block))](
-        x, x if bias is None else bias.contiguous(), hidden, out, inter, n_hidden, hidden_eps, *x.stride(),
-        s_ht, s_hc, *out.stride(), INPUT_NORM=input_norm is not None, HAS_BIAS=bias is not None, BLOCK=block,
-        BLOCK_HIDDEN=block_hidden, num_warps=4,
+        x, x if bias is None else bias.contiguous(), columns, row_scale, hidden, out, inter, n_hidden, hidden_eps,
+        *x.stride(), s_ht, s_hc, *out.stride(), SCALED=scales is not None, INPUT_NORM=input_norm is not None,
+        HAS_BIAS=bias is not None, BLOCK=block, BLOCK_HIDDEN=block_hidden, num_warps=4,
     )
     return out
 

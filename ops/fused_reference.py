@@ -25,10 +25,16 @@ and each token's values are first scaled by rsqrt(mean(hidden.float()^2) + eps) 
 what the unfolded layers compute, W @ rms_norm(hidden), up to rounding (the projection no longer sees a
 rounded normalised row). bias (q_bias[Hq*D], k_bias[Hkv*D], v_bias[Hkv*D]; for silu_and_mul [2I]) is
 added after that scaling, as the unfolded projection's bias.
+
+Deferred FP8 scales. Given scales = (row_scale[T, 1], columns) and dtype, q, k, v (or x) are an FP8 GEMM's
+float32 product of the quantized operands (ops.fp8_product), and each is first scaled and rounded to dtype
+as ops.fp8_gemm_reference.scale_product would (columns: the column scales, (q_cols, k_cols, v_cols) for
+rope_and_write_kv_cache as bias is split); dtype is then the model's, the outputs' and the roundings'.
 """
 import torch
 import torch.nn.functional as F
 
+from ops.fp8_gemm_reference import scale_product
 from ops.paged_attention_reference import E4M3_MAX, write_kv_cache
 
 
@@ -59,8 +65,15 @@ def rope(q, k, cos, sin, positions):
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def scaled(x, row_scale, columns, dtype):
+    """x [T, ...] (an FP8 product's columns, unscaled) times row_scale [T, 1] and columns [x[0].numel()], in dtype."""
+    return scale_product(x.reshape(x.shape[0], -1), row_scale, columns, dtype=dtype).view(x.shape)
+
+
 def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache, slot_mapping, qk_norm=None,
-                            input_norm=None, bias=None, out=None):
+                            input_norm=None, bias=None, out=None, scales=None, dtype=None):
+    if scales is not None:
+        q, k, v = (scaled(x, scales[0], c, dtype) for x, c in zip((q, k, v), scales[1]))
     q, k, v = (input_normed(x, input_norm, b) for x, b in zip((q, k, v), bias or (None, None, None)))
     if qk_norm is not None:
         q_weight, k_weight, eps = qk_norm
@@ -70,7 +83,9 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
     return q if out is None else out.copy_(q)
 
 
-def silu_and_mul(x, input_norm=None, bias=None):
+def silu_and_mul(x, input_norm=None, bias=None, scales=None, dtype=None):
+    if scales is not None:
+        x = scaled(x, *scales, dtype)
     gate, up = input_normed(x, input_norm, bias).chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -72,6 +72,11 @@ def randn(gen, *shape, dtype=torch.float32, scale=1.0, pad=0):
     return buf.to(dtype).to(DEVICE)[..., :last]
 
 
+def bits(t):
+    """t's bits, to compare exactly (NaN included)."""
+    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+
+
 def paged_caches(shape, fill, dtype):
     """K and V caches of shape filled with fill, V in the engine's layout (each block stored transposed)."""
     return (torch.full(shape, fill, dtype=dtype, device=DEVICE),
@@ -297,6 +302,60 @@ def test_silu_and_mul_after_a_folded_input_norm(gen, backend, dtype, T, H, inter
     out = ops.silu_and_mul(x, backend=backend, input_norm=(hidden, EPS), bias=b)
     gate, up = oracle[:, :inter], oracle[:, inter:]
     check(out, gate / (1 + torch.exp(-gate)) * up, dtype, gen, "silu_and_mul vs float64")
+
+
+# --- an FP8 product's scales, applied by the op that reads it --------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hq,Hkv,D,inter", [(1, 96, 4, 2, 64, 70), (6, 160, 8, 1, 128, 1024)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_deferred_fp8_scales_are_the_scaled_product_bit_for_bit(gen, backend, dtype, T, H, Hq, Hkv, D, inter, bias):
+    """scales = (row_scale, columns): the ops take an FP8 GEMM's float32 product still to be scaled and give, bit for
+    bit, what they give for that product scaled and rounded first (scale_product, whose float64 contract
+    tests/test_fp8_weights.py checks, then the op, checked against float64 above): the rotated q, the cached k and
+    v, silu(gate) * up, in the dtype of the input norm's hidden rows."""
+    from ops.fp8_gemm_reference import scale_product
+
+    hidden = randn(gen, T, H, dtype=dtype, scale=2.0)
+    raw_qkv = randn(gen, T, (Hq + 2 * Hkv) * D, scale=300.0)  # float32, as cuBLASLt's unit-scale product
+    row_scale = (torch.rand(T, 1, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+    cols = (torch.rand((Hq + 2 * Hkv) * D, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+    sizes = [Hq * D, Hkv * D, Hkv * D]
+    b = randn(gen, sum(sizes), dtype=dtype).split(sizes) if bias else None
+    rotary = RotaryEmbedding(D, Rope(1e6), 64).to(DEVICE)
+    positions = torch.randint(0, 64, (T,), generator=gen).to(DEVICE)
+    slots = torch.randperm(T * 4, generator=gen)[:T].to(torch.int32).to(DEVICE)
+    norm = (randn(gen, D, dtype=dtype), randn(gen, D, dtype=dtype), EPS)
+
+    def rope(qkv, scales):
+        q, k, v = (x.reshape(T, -1, D) for x in qkv.split(sizes, dim=-1))
+        caches = paged_caches((T, Hkv, 4, D), NAN, dtype)
+        q_out = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, *caches, slots, backend=backend,
+                                            qk_norm=norm, input_norm=(hidden, EPS), bias=b, scales=scales)
+        return q_out, *caches
+
+    deferred = rope(raw_qkv, (row_scale, cols.split(sizes)))
+    scaled_first = rope(scale_product(raw_qkv, row_scale, cols, dtype=dtype), None)
+    unscaled = rope(raw_qkv.to(dtype), None)
+    assert deferred[0].dtype == dtype and not torch.equal(bits(deferred[0].cpu()), bits(unscaled[0].cpu()))
+    for got, want, what in zip(deferred, scaled_first, ("q", "k cache", "v cache")):
+        assert torch.equal(bits(got.cpu()), bits(want.cpu())), f"{what} (seed={gen.initial_seed()})"
+
+    raw_gate_up = randn(gen, T, 2 * inter, scale=300.0)
+    gate_up_cols = (torch.rand(2 * inter, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+    gate_up_bias = randn(gen, 2 * inter, dtype=dtype) if bias else None
+    deferred = ops.silu_and_mul(raw_gate_up, backend=backend, input_norm=(hidden, EPS), bias=gate_up_bias,
+                                scales=(row_scale, gate_up_cols))
+    scaled_first = ops.silu_and_mul(scale_product(raw_gate_up, row_scale, gate_up_cols, dtype=dtype), backend=backend,
+                                    input_norm=(hidden, EPS), bias=gate_up_bias)
+    assert deferred.dtype == dtype
+    assert torch.equal(bits(deferred.cpu()), bits(scaled_first.cpu())), f"silu_and_mul (seed={gen.initial_seed()})"
+
+
+def test_deferred_scales_need_the_input_norm():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="scales need input_norm"):
+        ops.silu_and_mul(x, scales=(torch.ones(2, 1), torch.ones(8)))
 
 
 # --- the model with the Triton backend -----------------------------------------------------

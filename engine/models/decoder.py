@@ -24,7 +24,7 @@ import ops
 from engine.attention import PagedAttention
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec
-from engine.models.layers import PackedLinear, RMSNorm, add_linear_, project
+from engine.models.layers import PackedLinear, RMSNorm, add_linear_, project_scaled_by_reader
 from engine.models.moe import SparseMoeMLP
 from engine.models.rope import Rope, RotaryEmbedding, rope_from_config
 
@@ -71,13 +71,15 @@ class DecoderAttention(nn.Module):
         """The projections of the residual stream hidden [T, hidden_size] (the layer's input RMSNorm folded
         into qkv_proj's weight), then, in one kernel, the norm's row scale, the bias, the QK-norm, RoPE and
         the step's K/V into the cache -> the rotated q [T, Hq, D] (into out when given)."""
-        q, k, v = project(hidden, self.qkv_proj).split(self.qkv_proj.output_sizes, dim=-1)
+        qkv, scales = project_scaled_by_reader(hidden, self.qkv_proj)
+        q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.shards(self.qkv_proj.bias)
+        scales = None if scales is None else (scales[0], self.qkv_proj.shards(scales[1]))
         return self.attn.write(q, k, v, positions, rotary, key_cache, value_cache, slot_mapping, qk_norm,
-                               (hidden, input_norm_eps), bias, out)
+                               (hidden, input_norm_eps), bias, out, scales)
 
 
 class DecoderMLP(nn.Module):
@@ -89,8 +91,9 @@ class DecoderMLP(nn.Module):
     def add_to(self, hidden, input_norm_eps, all_reduce=None):
         """hidden += down(silu(gate) * up) of the RMSNorm of hidden, in place (the norm folded into
         gate_up_proj's weight, its row scale in the SiLU's kernel); all_reduce: add_linear_'s."""
-        gate_up = project(hidden, self.gate_up_proj)
-        act = ops.silu_and_mul(gate_up, input_norm=(hidden, input_norm_eps), bias=self.gate_up_proj.bias)
+        gate_up, scales = project_scaled_by_reader(hidden, self.gate_up_proj)
+        act = ops.silu_and_mul(gate_up, input_norm=(hidden, input_norm_eps), bias=self.gate_up_proj.bias,
+                               scales=scales)
         add_linear_(hidden, act, self.down_proj, all_reduce)
 
     def fold_norm(self, norm: RMSNorm, apart=frozenset()) -> None:

@@ -1,5 +1,6 @@
 """Layers shared by the decoders: RMSNorm over the fused norm kernel (and its weight folded into a linear
-layer), project (a linear layer's matmul, FP8 or not), add_linear_ (a residual sum inside a matmul), and
+layer), project (a linear layer's matmul, FP8 or not; project_scaled_by_reader, one whose FP8 scales the next
+kernel applies), add_linear_ (a residual sum inside a matmul), and
 PackedLinear, several checkpoint projections of the same input computed as one matmul."""
 import torch
 from torch import nn
@@ -37,6 +38,15 @@ def project(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | None = 
         return torch.nn.functional.linear(x, linear.weight)
     input_weight = getattr(linear, "input_weight", None)
     return ops.fp8_matmul(x, linear.weight, linear.weight_scale, input_weight, residual)
+
+
+def project_scaled_by_reader(x: torch.Tensor, linear: nn.Linear) -> tuple[torch.Tensor, tuple | None]:
+    """project's product for a kernel that reads it elementwise (the RoPE and SiLU kernels: their scales=):
+    (product, scales), where an FP8 weight's product of a few rows comes unscaled, float32, with its (row,
+    column) scales for that kernel to apply, which saves a kernel (ops.fp8_product); else project's and None."""
+    if linear.weight.dtype != torch.float8_e4m3fn:
+        return torch.nn.functional.linear(x, linear.weight), None
+    return ops.fp8_product(x, linear.weight, linear.weight_scale, getattr(linear, "input_weight", None))
 
 
 def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, all_reduce=None) -> torch.Tensor:
