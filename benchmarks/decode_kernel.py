@@ -1,8 +1,7 @@
 """The decode attention kernel alone over a bfloat16 and an FP8 (e4m3) cache: µs a call and the K/V bytes read
-per second, at the shapes of the 0.6B and 8B models' decode steps, for this tree's kernel over a value cache
-in each layout (V^T: each block stored transposed, value_cache_layout; V: as K) and, with --baseline, another
-version's ops/paged_attention.py (V as K). --sweep also times DECODE_CFG's tile choices for each cache dtype and
-layout. Results: benchmarks/NOTES.md (issue 31).
+per second, at the shapes of the 0.6B and 8B models' decode steps, for this tree's kernel and, with --baseline,
+another version's ops/paged_attention.py (its caches in the layout of its time: V not transposed). --sweep
+also times DECODE_CFG's tile choices for each cache dtype. Results: benchmarks/NOTES.md (issue 31).
 
     python3 benchmarks/decode_kernel.py [--baseline PATH] [--sweep]     (a CUDA GPU)
 """
@@ -23,7 +22,8 @@ from ops.paged_attention_reference import to_cache  # noqa: E402
 D, BS = 128, 16
 SHAPES = [(16, 8, 256, 2048), (16, 8, 64, 4096), (32, 8, 256, 1024), (32, 8, 64, 4096)]  # Hq, Hkv, rows, context
 CACHES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
-SWEEP = dict(BLOCK_N=(64, 128), num_warps=(4,), num_stages=(2, 3))
+SWEEP = {"bf16": dict(BLOCK_N=(32, 64, 128), num_warps=(4,), num_stages=(2, 3)),
+         "fp8": dict(BLOCK_N=(64, 128), num_warps=(4, 8), num_stages=(2, 3))}
 
 
 def load_module(path):
@@ -60,7 +60,7 @@ def main():
     parser.add_argument("--baseline", help="another version's ops/paged_attention.py")
     parser.add_argument("--sweep", action="store_true")
     opts = parser.parse_args()
-    versions = [("tree V^T", paged_attention, True), ("tree V", paged_attention, False)]
+    versions = [("tree", paged_attention, True)]
     if opts.baseline:
         versions.append(("baseline", load_module(opts.baseline), False))
     print(f"{'cache':5} {'Hq/Hkv':7} {'rows x ctx':12} " + " ".join(f"{name + ' µs':>12} {'TB/s':>6}" for name, _, _ in versions))
@@ -72,16 +72,15 @@ def main():
         print(f"{name:5} {shape[0]}/{shape[1]:<5} {shape[2]:>4} x {shape[3]:<5} " + " ".join(cells), flush=True)
     if not opts.sweep:
         return
-    for (name, dtype), transposed_v in itertools.product(CACHES.items(), (True, False)):
+    for name, dtype in CACHES.items():
         key = "gpu_fp8" if name == "fp8" else "gpu"
         chosen = dict(paged_attention.DECODE_CFG[key])
-        for values in itertools.product(*SWEEP.values()):
-            cfg = dict(zip(SWEEP, values))
+        for values in itertools.product(*SWEEP[name].values()):
+            cfg = dict(zip(SWEEP[name], values))
             paged_attention.DECODE_CFG[key] = cfg
-            times = [time_us(paged_attention, inputs(*shape, dtype, transposed_v)) for shape in SHAPES]
+            times = [time_us(paged_attention, inputs(*shape, dtype, True)) for shape in SHAPES]
             mark = " (DECODE_CFG)" if cfg == chosen else ""
-            print(f"sweep {name} {'V^T' if transposed_v else 'V'} {cfg}: " + " ".join(f"{t:.1f}" for t in times)
-                  + f" µs, sum {sum(times):.1f}{mark}", flush=True)
+            print(f"sweep {name} {cfg}: " + " ".join(f"{t:.1f}" for t in times) + f" µs, sum {sum(times):.1f}{mark}", flush=True)
         paged_attention.DECODE_CFG[key] = chosen
 
 

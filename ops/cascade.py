@@ -41,7 +41,7 @@ def _prefix_kernel(
     s_btb,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_S: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_S: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -69,7 +69,7 @@ def _prefix_kernel(
     acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + row0.to(tl.int64) * s_btb, start, end,
         s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-        BLOCK_SIZE, BLOCK_N, V_TRANSPOSED, DOT_PREC,
+        BLOCK_SIZE, BLOCK_N, DOT_PREC,
     )
     store_partial(part_o_ptr, part_lse_ptr, rows * num_q_heads + heads, chunk, acc, m_i, l_i, offs_d,
                   row_mask, d_mask, BLOCK_S, BLOCK_D)
@@ -100,8 +100,7 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         G=Hq // Hkv, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=part_o.shape[3], BLOCK_SIZE=bs,
         BLOCK_N=cfg["BLOCK_N"], ALIGN=decode_block_n,
-        BLOCK_S=part_lse.shape[2], V_TRANSPOSED=paged_attention.v_transposed(value_cache),
-        DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
+        BLOCK_S=part_lse.shape[2], DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

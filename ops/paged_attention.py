@@ -30,8 +30,7 @@ Kernels (the cache write is ops/fused.py's, inside rope_and_write_kv_cache):
 Every read is bounded by seq_len: no read of block-table padding, of -1 entries, or of unused
 slots of a sequence's last block.
 The kernels' shared pieces, which ops/cascade.py's kernels use too: tile_owner, load_query_tile,
-attend_range and store_partial (Triton functions), dot_dtype, v_transposed, dot_precision and sm_count (their
-launches').
+attend_range and store_partial (Triton functions), dot_dtype, dot_precision and sm_count (their launches').
 """
 import functools
 from typing import Optional
@@ -55,45 +54,39 @@ def _attn_tile(
     s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
     offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr,
-    V_TRANSPOSED: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain); n0 a multiple of BLOCK_N.
     MASK_KV: bound keys by kv_end (else all BLOCK_N are read); CAUSAL: also mask keys after each row's q_pos.
-    K is read as a [BLOCK_N, D] tile and V as V^T, [D, BLOCK_N]: with V_TRANSPOSED (the value cache's blocks
-    stored [D, block_size], engine/kv_cache.py) a block's tokens are contiguous there, which is how tl.dot
-    takes the PV product's second operand, so an FP8 tile widens in registers."""
-    # runs of RUN tokens (the largest power of two dividing BLOCK_SIZE and BLOCK_N) lie in one block and start
-    # on a multiple of RUN; with V_TRANSPOSED their values are contiguous (the analysis cannot see through the
-    # block-table look-up, so it is told)
-    RUN: tl.constexpr = min(BLOCK_SIZE & -BLOCK_SIZE, BLOCK_N)
-    n0 = tl.multiple_of(n0, BLOCK_N)
+
+    The tile is read in NB pieces of TB tokens, TB the largest power of two dividing both BLOCK_SIZE and
+    BLOCK_N, so a piece never crosses a cache block: one block-table look-up a piece. K comes as [NB, TB, D]
+    and V as [D, NB, TB]; with the value cache's layout (each block stored [D, block_size], engine/kv_cache.py)
+    both are contiguous along their last axis, and each product gets its second operand the way tl.dot reads
+    it: an FP8 cache is widened in registers, not through another trip to shared memory."""
+    TB: tl.constexpr = min(BLOCK_SIZE & -BLOCK_SIZE, BLOCK_N)
+    NB: tl.constexpr = BLOCK_N // TB
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
+    offs_t = tl.arange(0, TB)
+    first = n0 + tl.arange(0, NB) * TB  # each piece's first key
     pos = n0 + tl.arange(0, BLOCK_N)
     n_mask = pos < kv_end
-    # a masked tile reads V in whole runs (the last block's unused slots too, zeroed after), so that its loads
-    # stay 16-byte ones; K, read along the head dim, only its keys
-    run_mask = (pos // RUN * RUN < kv_end) if V_TRANSPOSED else n_mask
-    if BLOCK_SIZE % BLOCK_N == 0:
-        # the whole tile lies in one block: one scalar look-up
-        blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
-    elif MASK_KV:
-        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=run_mask, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
-    slot = (pos % BLOCK_SIZE).to(tl.int64)
-    k_off = blk * s_kcb + slot * s_kct
-    v_off = blk * s_vcb + slot * s_vct
-    if V_TRANSPOSED:
-        v_off = tl.max_contiguous(tl.multiple_of(v_off, RUN), RUN)
     if MASK_KV:
-        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=n_mask[:, None] & d_mask[None, :],
-                    other=0.0)
-        vt = tl.load(vc_head + v_off[None, :] + offs_d[:, None] * s_vcd, mask=run_mask[None, :] & d_mask[:, None],
-                     other=0.0)
-        vt = tl.where(n_mask[None, :], vt, tl.zeros_like(vt))
+        blk = tl.load(bt_row + first // BLOCK_SIZE, mask=first < kv_end, other=0).to(tl.int64)
     else:
-        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=d_mask[None, :], other=0.0)
-        vt = tl.load(vc_head + v_off[None, :] + offs_d[:, None] * s_vcd, mask=d_mask[:, None], other=0.0)
-    k = k.to(q.dtype)  # the dot dtype (dot_dtype): an FP8 cache's keys widened to it
+        blk = tl.load(bt_row + first // BLOCK_SIZE).to(tl.int64)
+    slot = tl.multiple_of(first % BLOCK_SIZE, TB)
+    k_ptr = kc_head + (blk * s_kcb + slot * s_kct)[:, None, None] + offs_t[None, :, None] * s_kct + offs_d[None, None, :] * s_kcd
+    v_ptr = vc_head + (blk * s_vcb + slot * s_vct)[None, :, None] + offs_t[None, None, :] * s_vct + offs_d[:, None, None] * s_vcd
+    if MASK_KV:
+        t_mask = (first[:, None] + offs_t[None, :]) < kv_end
+        k = tl.load(k_ptr, mask=t_mask[:, :, None] & d_mask[None, None, :], other=0.0)
+        vt = tl.load(v_ptr, mask=t_mask[None, :, :] & d_mask[:, None, None], other=0.0)
+    else:
+        k = tl.load(k_ptr, mask=d_mask[None, None, :], other=0.0)
+        vt = tl.load(v_ptr, mask=d_mask[:, None, None], other=0.0)
+    k = tl.reshape(k, (BLOCK_N, BLOCK_D)).to(q.dtype)  # the dot dtype (dot_dtype): an FP8 cache widened to it
+    v = tl.trans(tl.reshape(vt, (BLOCK_D, BLOCK_N))).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -103,7 +96,7 @@ def _attn_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), tl.trans(vt).to(q.dtype), input_precision=DOT_PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -147,7 +140,7 @@ def load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, 
 def attend_range(
     q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, start, end,
     s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Online softmax of the tile q over keys [start, end) of kv head kvh, every query seeing every key;
     start a multiple of BLOCK_N. Whole tiles are read unmasked, a last partial one masked."""
@@ -159,14 +152,14 @@ def attend_range(
             q, acc, m_i, l_i, qk_scale, m_i,  # (q_pos: unused, not CAUSAL)
             kc_head, vc_head, bt_row, n0, end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, False, V_TRANSPOSED, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC,
         )
     if full_end < end:
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, qk_scale, m_i,
             kc_head, vc_head, bt_row, full_end, end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, False, V_TRANSPOSED, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC,
         )
     return acc, m_i, l_i
 
@@ -184,8 +177,7 @@ def _decode_kernel(
     s_ob, s_oh, s_od,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_CTX_START: tl.constexpr, HAS_ORDER: tl.constexpr, V_TRANSPOSED: tl.constexpr, DOT_PREC: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    HAS_CTX_START: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """Attention of each sequence's query over its tokens [ctx_start, seq_len) (ctx_start 0 unless
     HAS_CTX_START; then it must be a multiple of BLOCK_N). SPLIT writes
@@ -225,7 +217,7 @@ def _decode_kernel(
     acc, m_i, l_i = attend_range(
         q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + b.to(tl.int64) * s_btb, start, end,
         s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-        BLOCK_SIZE, BLOCK_N, V_TRANSPOSED, DOT_PREC,
+        BLOCK_SIZE, BLOCK_N, DOT_PREC,
     )
     if SPLIT:
         rows = b.to(tl.int64) * num_q_heads + heads
@@ -346,12 +338,6 @@ def dot_dtype(q, key_cache):
     return _TL_DTYPES[q.dtype]
 
 
-def v_transposed(value_cache):
-    """V_TRANSPOSED: whether the value cache's blocks hold each channel's tokens contiguously (the engine's layout,
-    value_cache_layout), which the kernels then read in runs of whole 16-byte pieces."""
-    return value_cache.stride(2) == 1
-
-
 def dot_precision(dtype):
     """tl.dot's input_precision (DOT_PREC) for queries of this dtype (the K/V tiles are read in it)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -398,8 +384,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
         G=Hq // Hkv, BLOCK_G=max(16, triton.next_power_of_2(Hq // Hkv)), HEAD_DIM=D,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
-        HAS_ORDER=row_order is not None, V_TRANSPOSED=v_transposed(value_cache), DOT_PREC=dot_precision(q.dtype),
-        DOT_DTYPE=dot_dtype(q, key_cache),
+        HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -462,8 +447,8 @@ def _prefill_kernel(
     s_btb,
     s_ot, s_oh, s_od,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, V_TRANSPOSED: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -495,14 +480,14 @@ def _prefill_kernel(
             q, acc, m_i, l_i, qk_scale, q_pos,
             kc_head, vc_head, bt_row, n0, kv_end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, False, V_TRANSPOSED, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, qk_scale, q_pos,
             kc_head, vc_head, bt_row, n0, kv_end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, True, V_TRANSPOSED, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, True, True, DOT_PREC,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -558,8 +543,7 @@ def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_
         float(scale) * LOG2E, B,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0), *out.stride(),
         G=G, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], V_TRANSPOSED=v_transposed(value_cache), DOT_PREC=dot_precision(q.dtype),
-        DOT_DTYPE=dot_dtype(q, key_cache),
+        BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -12,7 +12,6 @@ Outputs are filled with NaN before each call; unused cache blocks, unused slots 
 last block and a block just before the cache (what block id -1 would address) hold NaN too, so a
 read outside seq_len, of block-table padding or of a -1 entry turns the result into NaN.
 """
-import itertools
 import math
 import os
 import random
@@ -207,23 +206,6 @@ def test_paged_attention_decode(backend, dtype, case, gen, nan_outputs):
     out = ops.paged_attention_decode(*args, backend=backend)
     assert out.shape == args[0].shape and out.dtype == dtype
     check(out, ref, dtype, gen, f"decode {backend}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [DECODE_CASES[2], DECODE_CASES[5]], ids=lambda c: f"bs{c[0]}")
-def test_attention_over_a_value_cache_laid_out_as_keys(dtype, case, gen, nan_outputs):
-    """The kernels take any strides: a value cache whose blocks are stored as the keys' ([block_size, D], not
-    the engine's transposed layout) gives the oracle's decode and prefill too (the kernels' other load path)."""
-    args = list(decode_inputs(case, dtype, gen))
-    args[2] = args[2].contiguous()  # as K's, the poisoned slots and block -1 aside (only the CPU can address it)
-    assert args[2].stride(3) == 1
-    check(ops.paged_attention_decode(*args, backend="triton"), decode_oracle(*args), dtype, gen, "decode, V as K")
-    q, key_cache, value_cache, bt, seq_lens, scale = args
-    lens = seq_lens.tolist()
-    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device=DEVICE)
-    q = torch.randn(int(cu[-1]), q.shape[1], q.shape[2], generator=gen).to(dtype).to(DEVICE)
-    prefill = (q, key_cache, value_cache, bt, cu, seq_lens, scale)
-    check(ops.paged_attention_prefill(*prefill, backend="triton"), oracle(*prefill), dtype, gen, "prefill, V as K")
 
 
 @pytest.mark.parametrize("case,num_splits", [
