@@ -81,7 +81,7 @@ def make_batch(group_sizes, prefix, suffixes, generator, dev="cuda"):
     return dict(
         q=torch.randn(batch, HQ, D, dtype=DT, device=dev),
         key_cache=torch.randn(cache_shape, dtype=DT, device=dev),
-        value_cache=torch.randn((num_blocks, HKV, D, BS), dtype=DT, device=dev).transpose(2, 3),  # the engine's layout
+        value_cache=torch.randn(cache_shape, dtype=DT, device=dev),
         block_tables=tables.to(dev),
         seq_lens=(prefix + torch.as_tensor(suffixes)).to(torch.int32).to(dev),
         cu_group_rows=torch.tensor(np.cumsum([0] + shared), dtype=torch.int32, device=dev),

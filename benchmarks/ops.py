@@ -85,7 +85,7 @@ def ceilings():
 def make_pool(num_tokens_total, block_size, flat_k, flat_v):
     nb = num_tokens_total // block_size
     kc = flat_k[: nb * HKV * block_size * D].view(nb, HKV, block_size, D)
-    vc = flat_v[: nb * HKV * block_size * D].view(nb, HKV, D, block_size).transpose(2, 3)  # the engine's V layout
+    vc = flat_v[: nb * HKV * block_size * D].view(nb, HKV, block_size, D)
     return kc, vc
 
 

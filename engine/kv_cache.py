@@ -2,8 +2,7 @@
 of the model's dtype or of an FP8 type (cache.kv_cache_dtype: cache_dtype), half the bytes a token.
 
 The block table of a sequence is shared by every layer; each layer has its own cache tensors. Slot s
-of a layer lives at [s // block_size, :, s % block_size, :]. The value tensors are views of storage with
-each block transposed ([head_dim, block_size]): the attention kernels read V^T tiles from it.
+of a layer lives at [s // block_size, :, s % block_size, :].
 """
 import logging
 import math
@@ -55,19 +54,15 @@ class PagedKVCache:
         shape = (num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.key_caches = [zeros_on_first_touch(shape, dtype, device) for _ in range(spec.num_layers)]
-        # each block's V stored [head_dim, block_size] (ops.paged_attention_reference.value_cache_layout), seen
-        # through a view of the same shape as K's
-        transposed = (num_blocks, spec.num_kv_heads, spec.head_dim, block_size)
-        self.value_caches = [zeros_on_first_touch(transposed, dtype, device).transpose(2, 3)
-                             for _ in range(spec.num_layers)]
+        self.value_caches = [zeros_on_first_touch(shape, dtype, device) for _ in range(spec.num_layers)]
         self.bytes = bytes_per_block(spec, block_size, dtype) * num_blocks
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy blocks src[i] -> dst[i] (int64 [N] on the cache's device) in every layer's K and V, in
         stream order and without waiting for the device. dst holds no duplicates, and no block of src.
         Copied as bytes: indexing kernels need not know an FP8 dtype."""
-        for cache in (*self.key_caches, *(value.transpose(2, 3) for value in self.value_caches)):
-            raw = cache.view(torch.uint8)  # (of the storage: a byte view needs its last axis contiguous)
+        for cache in (*self.key_caches, *self.value_caches):
+            raw = cache.view(torch.uint8)
             raw[dst] = raw[src]
 
 

@@ -15,8 +15,8 @@ physical blocks). Three kernels, none of which synchronises with the host:
 2. suffix: the decode kernel over [ctx_start, seq_len) of each row, into slots num_chunks.. .
 3. merge: the split-KV reduce over all slots; prefix slots count only for rows with ctx_start > 0.
 The prefix a group's kernel covers is its prefix length rounded down to the suffix pass's decode tile
-(BLOCK_N of decode_cfg's short contexts: the attention loops start on a whole tile); the rounded-off tokens
-go to the suffix pass, so results do not depend on it.
+(BLOCK_N of decode_cfg's short contexts) when that divides the block size (the decode tile loop needs
+aligned starts there); the rounded-off tokens go to the suffix pass, so results do not depend on it.
 Rows outside [0, cu_group_rows[G]) and groups with prefix 0 take the plain path (ctx_start stays 0);
 with G = 0 the op is plain decode.
 """
@@ -99,7 +99,7 @@ def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows
         float(scale) * LOG2E, num_groups, num_chunks, Hq,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), block_tables.stride(0),
         G=Hq // Hkv, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=D, BLOCK_D=part_o.shape[3], BLOCK_SIZE=bs,
-        BLOCK_N=cfg["BLOCK_N"], ALIGN=decode_block_n,
+        BLOCK_N=cfg["BLOCK_N"], ALIGN=decode_block_n if bs % decode_block_n == 0 else 1,
         BLOCK_S=part_lse.shape[2], DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

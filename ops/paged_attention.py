@@ -14,10 +14,9 @@ Kernels (the cache write is ops/fused.py's, inside rope_and_write_kv_cache):
   sequences in an optional row_order (longest first: over contexts of mixed lengths the last wave then
   holds the short ones). The G = Hq // Hkv query heads of a kv head are packed into a tile of
   max(16, next_pow2(G)) rows, so each K/V tile is read once per kv head and both products go through
-  tl.dot. Online softmax over the sequence's tokens, in tiles of BLOCK_N tokens that start on a multiple
-  of BLOCK_N: whole tiles unmasked, a last partial one masked; a tile is read in pieces that each lie in
-  one cache block (one block-table look-up a piece), K as [tokens, D] and V, from the value cache's
-  transposed blocks, as [D, tokens] (_attn_tile). Split-KV (flash-decoding): when
+  tl.dot. Online softmax over the sequence's tokens, in tiles of BLOCK_N tokens; each token's
+  physical block comes from the block table (one scalar look-up per tile when the block size is a
+  multiple of BLOCK_N). Split-KV (flash-decoding): when
   B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
   ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
   second kernel merges them (one program per row and tile of heads). Cascade decode (ops/cascade.py)
@@ -52,41 +51,31 @@ def _attn_tile(
     q, acc, m_i, l_i, qk_scale, q_pos,
     kc_head, vc_head, bt_row, n0, kv_end,
     s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
-    offs_d, d_mask,
+    offs_n, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain); n0 a multiple of BLOCK_N.
-    MASK_KV: bound keys by kv_end (else all BLOCK_N are read); CAUSAL: also mask keys after each row's q_pos.
-
-    The tile is read in NB pieces of TB tokens, TB the largest power of two dividing both BLOCK_SIZE and
-    BLOCK_N, so a piece never crosses a cache block: one block-table look-up a piece. K comes as [NB, TB, D]
-    and V as [D, NB, TB]; with the value cache's layout (each block stored [D, block_size], engine/kv_cache.py)
-    both are contiguous along their last axis, and each product gets its second operand the way tl.dot reads
-    it: an FP8 cache is widened in registers, not through another trip to shared memory."""
-    TB: tl.constexpr = min(BLOCK_SIZE & -BLOCK_SIZE, BLOCK_N)
-    NB: tl.constexpr = BLOCK_N // TB
-    BLOCK_D: tl.constexpr = offs_d.shape[0]
-    offs_t = tl.arange(0, TB)
-    first = n0 + tl.arange(0, NB) * TB  # each piece's first key
-    pos = n0 + tl.arange(0, BLOCK_N)
-    n_mask = pos < kv_end
+    """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain).
+    MASK_KV: bound keys by kv_end; CAUSAL: also mask keys after each row's q_pos."""
+    pos = n0 + offs_n
     if MASK_KV:
-        blk = tl.load(bt_row + first // BLOCK_SIZE, mask=first < kv_end, other=0).to(tl.int64)
+        n_mask = pos < kv_end
     else:
-        blk = tl.load(bt_row + first // BLOCK_SIZE).to(tl.int64)
-    slot = tl.multiple_of(first % BLOCK_SIZE, TB)
-    k_ptr = kc_head + (blk * s_kcb + slot * s_kct)[:, None, None] + offs_t[None, :, None] * s_kct + offs_d[None, None, :] * s_kcd
-    v_ptr = vc_head + (blk * s_vcb + slot * s_vct)[None, :, None] + offs_t[None, None, :] * s_vct + offs_d[:, None, None] * s_vcd
+        n_mask = pos >= 0
+    if BLOCK_SIZE % BLOCK_N == 0:
+        # the whole tile lies in one block (n0 is a multiple of BLOCK_N): one scalar look-up
+        blk = tl.load(bt_row + n0 // BLOCK_SIZE).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slot = (pos % BLOCK_SIZE).to(tl.int64)
+    k_off = blk * s_kcb + slot * s_kct
+    v_off = blk * s_vcb + slot * s_vct
     if MASK_KV:
-        t_mask = (first[:, None] + offs_t[None, :]) < kv_end
-        k = tl.load(k_ptr, mask=t_mask[:, :, None] & d_mask[None, None, :], other=0.0)
-        vt = tl.load(v_ptr, mask=t_mask[None, :, :] & d_mask[:, None, None], other=0.0)
+        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
     else:
-        k = tl.load(k_ptr, mask=d_mask[None, None, :], other=0.0)
-        vt = tl.load(v_ptr, mask=d_mask[:, None, None], other=0.0)
-    k = tl.reshape(k, (BLOCK_N, BLOCK_D)).to(q.dtype)  # the dot dtype (dot_dtype): an FP8 cache widened to it
-    v = tl.trans(tl.reshape(vt, (BLOCK_D, BLOCK_N))).to(q.dtype)
+        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=d_mask[None, :], other=0.0)
+    k = k.to(q.dtype)  # the dot dtype (dot_dtype): an FP8 cache's keys widened to it
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -96,7 +85,18 @@ def _attn_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PREC)
+    if MASK_KV:
+        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd,
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=d_mask[None, :], other=0.0)
+    if v.dtype.is_fp8():
+        # widened before tl.dot's operand layout: the PV product reads v transposed, which Triton otherwise
+        # does a byte at a time from shared memory (on the H200 the decode kernel took 5-6% longer so)
+        v = tl.where(n_mask[:, None], v.to(q.dtype), 0.0)
+    else:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -142,23 +142,17 @@ def attend_range(
     s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Online softmax of the tile q over keys [start, end) of kv head kvh, every query seeing every key;
-    start a multiple of BLOCK_N. Whole tiles are read unmasked, a last partial one masked."""
+    """Online softmax of the tile q over keys [start, end) of kv head kvh, every query seeing every key
+    (start: a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0)."""
+    offs_n = tl.arange(0, BLOCK_N)
     kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
     vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, qk_scale, m_i,  # (q_pos: unused, not CAUSAL)
             kc_head, vc_head, bt_row, n0, end,
-            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC,
-        )
-    if full_end < end:
-        acc, m_i, l_i = _attn_tile(
-            q, acc, m_i, l_i, qk_scale, m_i,
-            kc_head, vc_head, bt_row, full_end, end,
-            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+            offs_n, offs_d, d_mask,
             BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC,
         )
     return acc, m_i, l_i
@@ -180,7 +174,7 @@ def _decode_kernel(
     HAS_CTX_START: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """Attention of each sequence's query over its tokens [ctx_start, seq_len) (ctx_start 0 unless
-    HAS_CTX_START; then it must be a multiple of BLOCK_N). SPLIT writes
+    HAS_CTX_START; then it must be a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0). SPLIT writes
     partial (out, log2-sum-exp) pairs to slots first_slot + split instead of the output. A 1-D grid of
     B x Hkv x num_splits programs, row-major: the i-th row taken is row_order[i] with HAS_ORDER, else i.
     The GPU starts programs in grid order, so a longest-first order leaves the short rows for the last
@@ -366,8 +360,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
                   partials=None, ctx_start=None, first_slot=0, row_order=None, short_contexts=False):
     """The decode kernel over B x Hkv x num_splits programs: into out, or, given partials (see
     decode_partials), into their slots first_slot .. first_slot + num_splits - 1. ctx_start [B] int32
-    (optional): each row attends to tokens [ctx_start, seq_len) only (a multiple of the tile, BLOCK_N of
-    decode_cfg). row_order [B] int32 (optional):
+    (optional): each row attends to tokens [ctx_start, seq_len) only. row_order [B] int32 (optional):
     a permutation of the rows, the order in which their programs start. short_contexts: the tiles for
     ranges of a few hundred tokens (decode_cfg)."""
     B, Hq, D = q.shape
@@ -460,6 +453,7 @@ def _prefill_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     tok = q_block_start + offs_m // G
     heads = kvh * G + offs_m % G
     row_mask = (offs_m < BLOCK_Q * G) & (tok < len_q)
@@ -479,14 +473,16 @@ def _prefill_kernel(
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, qk_scale, q_pos,
             kc_head, vc_head, bt_row, n0, kv_end,
-            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+            offs_n, offs_d, d_mask,
             BLOCK_SIZE, BLOCK_N, False, False, DOT_PREC,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attn_tile(
             q, acc, m_i, l_i, qk_scale, q_pos,
             kc_head, vc_head, bt_row, n0, kv_end,
-            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+            s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+            offs_n, offs_d, d_mask,
             BLOCK_SIZE, BLOCK_N, True, True, DOT_PREC,
         )
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

@@ -3,9 +3,7 @@ ops/paged_attention.py, ops/cascade.py for cascade_attention_decode, and for wri
 inside ops/fused.py's rope_and_write_kv_cache, whose reference, ops/fused_reference.py, calls it).
 
 Shapes (int32 metadata; a slot of -1 is skipped):
-    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim], any strides; the engine's
-        value caches are views of [num_blocks, num_kv_heads, head_dim, block_size] storage
-        (value_cache_layout), which the Triton kernels read fastest
+    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
     write_kv_cache(key[T,Hkv,D], value[T,Hkv,D], key_cache, value_cache, slot_mapping[T])
     paged_attention_decode(q[B,Hq,D], ..., block_tables[B,M], seq_lens[B], scale) -> [B,Hq,D]
         (each attention op takes an optional out=, a tensor shaped as q, and writes into it and returns it)
@@ -33,13 +31,6 @@ def to_cache(x, dtype):
         most = torch.finfo(dtype).max
         x = x.float().clamp(-most, most)
     return x.to(dtype)
-
-
-def value_cache_layout(cache):
-    """cache [num_blocks, Hkv, block_size, D], the same values with each block stored [D, block_size] (a
-    view of new storage). The engine keeps its value caches so (engine/kv_cache.py): the attention kernels
-    then read V as V^T tiles, a channel's tokens contiguous, the way tl.dot takes PV's second operand."""
-    return cache.transpose(2, 3).contiguous().transpose(2, 3)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):

@@ -21,7 +21,6 @@ import pytest  # noqa: E402
 
 import ops  # noqa: E402
 from engine.models.rope import Rope, RotaryEmbedding  # noqa: E402
-from ops.paged_attention_reference import value_cache_layout  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,12 +74,6 @@ def randn(gen, *shape, dtype=torch.float32, scale=1.0, pad=0):
 def bits(t):
     """t's bits, to compare exactly (NaN included)."""
     return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
-
-
-def paged_caches(shape, fill, dtype):
-    """K and V caches of shape filled with fill, V in the engine's layout (each block stored transposed)."""
-    return (torch.full(shape, fill, dtype=dtype, device=DEVICE),
-            value_cache_layout(torch.full(shape, fill, dtype=dtype, device=DEVICE)))
 
 
 def check(out, ref, dtype, gen, what):
@@ -151,7 +144,8 @@ def test_rope_and_write_kv_cache(gen, backend, dtype, T, Hq, Hkv, D, qk_norm):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:T].to(torch.int32)
     writes = torch.arange(T) != 1
     slots[~writes] = -1
-    key_cache, value_cache = paged_caches((num_blocks, Hkv, block_size, D), NAN, dtype)
+    key_cache, value_cache = (torch.full((num_blocks, Hkv, block_size, D), NAN, dtype=dtype, device=DEVICE)
+                              for _ in range(2))
     norm = (q_w, k_w, EPS) if qk_norm else None
     q_out = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache,
                                         slots.to(DEVICE), backend=backend, qk_norm=norm)
@@ -192,7 +186,8 @@ def test_rope_writes_an_fp8_cache(gen, backend, cache_dtype):
     q, k, v = (randn(gen, T, h, D, dtype=dtype, scale=300.0) for h in (Hq, Hkv, Hkv))
     positions = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
     slots = torch.randperm((T + 2) * block_size, generator=gen)[:T].to(torch.int32).to(DEVICE)
-    key_cache, value_cache = paged_caches((T + 2, Hkv, block_size, D), 0.0, cache_dtype)
+    key_cache, value_cache = (torch.zeros((T + 2, Hkv, block_size, D), dtype=cache_dtype, device=DEVICE)
+                              for _ in range(2))
     ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache, slots,
                                 backend=backend)
     k_out, v_out = (c.permute(0, 2, 1, 3).reshape(-1, Hkv, D)[slots.long()] for c in (key_cache, value_cache))
@@ -267,7 +262,7 @@ def test_rope_after_a_folded_input_norm(gen, backend, dtype, T, H, Hq, Hkv, D, q
     q_w, k_w = randn(gen, D, dtype=dtype), randn(gen, D, dtype=dtype)
     positions = torch.randint(0, max_pos, (T,), generator=gen).to(DEVICE)
     slots = torch.randperm(T * block_size, generator=gen)[:T].to(torch.int32).to(DEVICE)
-    key_cache, value_cache = paged_caches((T, Hkv, block_size, D), NAN, dtype)
+    key_cache, value_cache = (torch.full((T, Hkv, block_size, D), NAN, dtype=dtype, device=DEVICE) for _ in range(2))
     q_out = ops.rope_and_write_kv_cache(
         q, k, v, rotary.cos, rotary.sin, positions, key_cache, value_cache, slots, backend=backend,
         qk_norm=(q_w, k_w, EPS) if qk_norm else None, input_norm=(hidden, EPS),
@@ -329,7 +324,7 @@ def test_deferred_fp8_scales_are_the_scaled_product_bit_for_bit(gen, backend, dt
 
     def rope(qkv, scales):
         q, k, v = (x.reshape(T, -1, D) for x in qkv.split(sizes, dim=-1))
-        caches = paged_caches((T, Hkv, 4, D), NAN, dtype)
+        caches = [torch.full((T, Hkv, 4, D), NAN, dtype=dtype, device=DEVICE) for _ in range(2)]
         q_out = ops.rope_and_write_kv_cache(q, k, v, rotary.cos, rotary.sin, positions, *caches, slots, backend=backend,
                                             qk_norm=norm, input_norm=(hidden, EPS), bias=b, scales=scales)
         return q_out, *caches

@@ -79,8 +79,7 @@ def make_paged(lens, num_kv_heads, head_dim, block_size, dtype, gen, spare_block
     for buf in (kbuf, vbuf):
         buf[0] = NAN
         buf[1:].permute(0, 2, 1, 3)[poison] = NAN
-    # poisoned in float32 (FP8 has no masked_fill); V in the engine's layout, each block stored transposed
-    key_cache, value_cache = kbuf.to(dtype)[1:], reference.value_cache_layout(vbuf.to(dtype))[1:]
+    key_cache, value_cache = kbuf.to(dtype)[1:], vbuf.to(dtype)[1:]  # poisoned in float32: FP8 has no masked_fill
     return key_cache.to(DEVICE), value_cache.to(DEVICE), bt.to(DEVICE)
 
 
@@ -141,7 +140,7 @@ def test_write_kv_cache(dtype, block_size, num_kv_heads, head_dim, T, gen):
     value = torch.randn(T, num_kv_heads, head_dim, generator=gen).to(dtype)
     slots = torch.randperm(nb * block_size, generator=gen)[:T].to(torch.int32)
     slots[torch.rand(T, generator=gen) < 0.25] = -1
-    key_cache, value_cache = key_cache.to(DEVICE), reference.value_cache_layout(value_cache).to(DEVICE)
+    key_cache, value_cache = key_cache.to(DEVICE), value_cache.to(DEVICE)
     k_before, v_before = key_cache.clone(), value_cache.clone()
     reference.write_kv_cache(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache, slots.to(DEVICE))
 
