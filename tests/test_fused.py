@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 
 import ops  # noqa: E402
 from engine.models.rope import Rope, RotaryEmbedding  # noqa: E402
+from test_ops import bits  # noqa: E402
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,11 +70,6 @@ def randn(gen, *shape, dtype=torch.float32, scale=1.0, pad=0):
     buf = torch.full((*lead, last + pad), NAN, dtype=torch.float32)
     buf[..., :last] = torch.randn(*shape, generator=gen) * scale
     return buf.to(dtype).to(DEVICE)[..., :last]
-
-
-def bits(t):
-    """t's bits, to compare exactly (NaN included)."""
-    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
 
 
 def check(out, ref, dtype, gen, what):
