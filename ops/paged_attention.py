@@ -16,7 +16,9 @@ Kernels (the cache write is ops/fused.py's, inside rope_and_write_kv_cache):
   max(16, next_pow2(G)) rows, so each K/V tile is read once per kv head and both products go through
   tl.dot. Online softmax over the sequence's tokens, in tiles of BLOCK_N tokens; each token's
   physical block comes from the block table (one scalar look-up per tile when the block size is a
-  multiple of BLOCK_N). Split-KV (flash-decoding): when
+  multiple of BLOCK_N). Over an e4m3 cache on Hopper (split_query) the products run transposed,
+  tokens x heads, with the keys as stored against the query split into two e4m3 parts
+  (attend_range_split_query). Split-KV (flash-decoding): when
   B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
   ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
   second kernel merges them (one program per row and tile of heads). Cascade decode (ops/cascade.py)
@@ -47,16 +49,11 @@ LOG2E = 1.4426950408889634
 # shared pieces of the attention kernels (ops/cascade.py's too)
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _attn_tile(
-    q, acc, m_i, l_i, qk_scale, q_pos,
-    kc_head, vc_head, bt_row, n0, kv_end,
-    s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
-    offs_n, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain).
-    MASK_KV: bound keys by kv_end; CAUSAL: also mask keys after each row's q_pos."""
+def _load_kv_tile(kc_head, vc_head, bt_row, n0, kv_end, s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+                  offs_n, offs_d, d_mask, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr):
+    """The [BLOCK_N, BLOCK_D] K and V tiles of keys n0 .. n0 + BLOCK_N as the cache stores them, their
+    positions and which of them lie before kv_end (MASK_KV; the others read as zeros), each key's physical
+    block from the block table."""
     pos = n0 + offs_n
     if MASK_KV:
         n_mask = pos < kv_end
@@ -71,10 +68,27 @@ def _attn_tile(
     k_off = blk * s_kcb + slot * s_kct
     v_off = blk * s_vcb + slot * s_vct
     if MASK_KV:
-        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        mask = n_mask[:, None] & d_mask[None, :]
     else:
-        k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=d_mask[None, :], other=0.0)
+        mask = d_mask[None, :]
+    k = tl.load(kc_head + k_off[:, None] + offs_d[None, :] * s_kcd, mask=mask, other=0.0)
+    v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=mask, other=0.0)
+    return k, v, pos, n_mask
+
+
+@triton.jit
+def _attn_tile(
+    q, acc, m_i, l_i, qk_scale, q_pos,
+    kc_head, vc_head, bt_row, n0, kv_end,
+    s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+    offs_n, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KV: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One step of the online softmax over keys n0 .. n0 + BLOCK_N (log2 domain).
+    MASK_KV: bound keys by kv_end; CAUSAL: also mask keys after each row's q_pos."""
+    k, v, pos, n_mask = _load_kv_tile(kc_head, vc_head, bt_row, n0, kv_end, s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
+                                      offs_n, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, MASK_KV)
     k = k.to(q.dtype)  # the dot dtype (dot_dtype): an FP8 cache's keys widened to it
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if CAUSAL:
@@ -85,11 +99,6 @@ def _attn_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASK_KV:
-        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd,
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    else:
-        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :] * s_vcd, mask=d_mask[None, :], other=0.0)
     if v.dtype.is_fp8():
         # widened before tl.dot's operand layout: the PV product reads v transposed, which Triton otherwise
         # does a byte at a time from shared memory (on the H200 the decode kernel took 5-6% longer so)
@@ -158,6 +167,50 @@ def attend_range(
     return acc, m_i, l_i
 
 
+@triton.jit
+def split_query_fp8(q):
+    """q [BLOCK_M, BLOCK_D] float32 as two e4m3 parts and a scale per row: q * scale ~= hi + lo, hi the
+    rounding of q * scale and lo the rounding of what hi leaves. Each row is scaled to e4m3's largest finite
+    value (448), so hi + lo holds each element to about 2^-8 of itself (a bfloat16 query's rounding is
+    2^-9) or 2^-19 of its row's largest, whichever is larger (a row of zeros: scale 1)."""
+    amax = tl.max(tl.abs(q), 1)
+    scale = tl.where(amax > 0.0, 448.0 / amax, 1.0)
+    q = q * scale[:, None]
+    hi = q.to(tl.float8e4nv)
+    lo = (q - hi.to(tl.float32)).to(tl.float8e4nv)
+    return hi, lo, scale
+
+
+@triton.jit
+def attend_range_split_query(
+    q_hi_t, q_lo_t, qk_cols, acc_t, m_i, l_i, kc_ptr, vc_ptr, kvh, bt_row, start, end,
+    s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PV_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """attend_range over an e4m3 cache with the products transposed: scores [BLOCK_N, BLOCK_M] = K q_hi^T +
+    K q_lo^T (split_query_fp8's parts, transposed), so the keys go to FP8 tensor cores as stored, with no
+    widening, and the tokens fill the product's 64-row side where the few query heads could not;
+    acc_t [BLOCK_D, BLOCK_M] += V^T P^T in PV_DTYPE. qk_cols [BLOCK_M]: each head's qk_scale over its
+    split scale. m_i, l_i: per head, as in attend_range."""
+    offs_n = tl.arange(0, BLOCK_N)
+    kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
+    vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
+    for n0 in range(start, end, BLOCK_N):
+        k, v, pos, n_mask = _load_kv_tile(kc_head, vc_head, bt_row, n0, end, s_kcb, s_kct, s_kcd, s_vcb, s_vct,
+                                          s_vcd, offs_n, offs_d, d_mask, BLOCK_SIZE, BLOCK_N, True)
+        s = tl.dot(k, q_lo_t, tl.dot(k, q_hi_t)) * qk_cols[None, :]
+        s = tl.where(n_mask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        # widened in the load's layout before the transpose (see _attn_tile)
+        v_t = tl.trans(tl.where(n_mask[:, None], v.to(PV_DTYPE), 0.0))
+        acc_t = acc_t * alpha[None, :] + tl.dot(v_t, p.to(PV_DTYPE), input_precision=DOT_PREC)
+        m_i = m_new
+    return acc_t, m_i, l_i
+
+
 # --------------------------------------------------------------------------------------------
 # decode
 # --------------------------------------------------------------------------------------------
@@ -172,11 +225,14 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_CTX_START: tl.constexpr, HAS_ORDER: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    SPLIT_QUERY: tl.constexpr,
 ):
     """Attention of each sequence's query over its tokens [ctx_start, seq_len) (ctx_start 0 unless
     HAS_CTX_START; then it must be a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0). SPLIT writes
     partial (out, log2-sum-exp) pairs to slots first_slot + split instead of the output. A 1-D grid of
     B x Hkv x num_splits programs, row-major: the i-th row taken is row_order[i] with HAS_ORDER, else i.
+    SPLIT_QUERY (an e4m3 cache, split_query): the products run transposed against the query's two e4m3
+    parts, DOT_DTYPE then being V's (attend_range_split_query).
     The GPU starts programs in grid order, so a longest-first order leaves the short rows for the last
     wave."""
     pid = tl.program_id(0)
@@ -206,13 +262,25 @@ def _decode_kernel(
     heads = kvh * G + offs_g
     g_mask = offs_g < G
     d_mask = offs_d < HEAD_DIM
-    q, m_i, l_i, acc = load_query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
-                                       s_qb, s_qh, s_qd, BLOCK_G, BLOCK_D, DOT_DTYPE)
-    acc, m_i, l_i = attend_range(
-        q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + b.to(tl.int64) * s_btb, start, end,
-        s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-        BLOCK_SIZE, BLOCK_N, DOT_PREC,
-    )
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    if SPLIT_QUERY:
+        q, m_i, l_i, acc = load_query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
+                                           s_qb, s_qh, s_qd, BLOCK_G, BLOCK_D, tl.float32)
+        q_hi, q_lo, q_scale = split_query_fp8(q)
+        acc_t, m_i, l_i = attend_range_split_query(
+            tl.trans(q_hi), tl.trans(q_lo), qk_scale / q_scale, tl.trans(acc), m_i, l_i, kc_ptr, vc_ptr, kvh, bt_row,
+            start, end, s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, DOT_DTYPE, DOT_PREC,
+        )
+        acc = tl.trans(acc_t)
+    else:
+        q, m_i, l_i, acc = load_query_tile(q_ptr, b.to(tl.int64) + 0 * offs_g, heads, g_mask, offs_d, d_mask,
+                                           s_qb, s_qh, s_qd, BLOCK_G, BLOCK_D, DOT_DTYPE)
+        acc, m_i, l_i = attend_range(
+            q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, start, end,
+            s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, DOT_PREC,
+        )
     if SPLIT:
         rows = b.to(tl.int64) * num_q_heads + heads
         store_partial(part_o_ptr, part_lse_ptr, rows, first_slot + split, acc, m_i, l_i, offs_d,
@@ -290,9 +358,11 @@ DECODE_CFG = {
     # (benchmarks/NOTES.md, version 26)
     "gpu_short": dict(BLOCK_N=32, num_warps=4, num_stages=2),
     "gpu_fp32": dict(BLOCK_N=32, num_warps=4, num_stages=2),
-    # an FP8 cache: the fastest of six tiles on the H200 over 3 shapes, 6-8% faster than "gpu"'s there
-    # (benchmarks/NOTES.md, session 25)
-    "gpu_fp8": dict(BLOCK_N=128, num_warps=4, num_stages=2),
+    # an FP8 cache the split query does not take: the fastest of 24 tiles on the H200 over 3 shapes
+    # (benchmarks/NOTES.md, sessions 25 and 27)
+    "gpu_fp8": dict(BLOCK_N=128, num_warps=4, num_stages=3),
+    # an e4m3 cache on Hopper, split query (split_query): the fastest of 8 tiles on the H200 (session 27)
+    "gpu_fp8_split_query": dict(BLOCK_N=64, num_warps=4, num_stages=2),
     "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
 }
 SPLIT_MIN_TOKENS = 128      # never cut a sequence into pieces shorter than this (on average)
@@ -337,6 +407,20 @@ def dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index):
+    return torch.cuda.get_device_capability(device_index)
+
+
+def split_query(q, key_cache):
+    """Whether the decode kernel multiplies an e4m3 cache's keys as stored, by the query split into two e4m3
+    parts (split_query_fp8, attend_range_split_query): on Hopper (compute capability 9.0), whose FP8 tensor
+    cores Triton reaches from a tile of 64 tokens; elsewhere the keys widen to DOT_DTYPE."""
+    if key_cache.dtype != torch.float8_e4m3fn or not q.is_cuda or q.dtype == torch.float32:
+        return False
+    return _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
 def decode_cfg(q, key_cache, short_contexts=False):
     if not q.is_cuda:
         return DECODE_CFG["interp"]
@@ -344,6 +428,8 @@ def decode_cfg(q, key_cache, short_contexts=False):
         return DECODE_CFG["gpu_fp32"]
     if short_contexts:
         return DECODE_CFG["gpu_short"]
+    if split_query(q, key_cache):
+        return DECODE_CFG["gpu_fp8_split_query"]
     return DECODE_CFG["gpu_fp8" if key_cache.dtype in paged_attention_reference.FP8_DTYPES else "gpu"]
 
 
@@ -378,7 +464,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
         BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
         HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLIT_QUERY=split_query(q, key_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

@@ -65,10 +65,10 @@ def make_groups(groups, lone_lens, num_kv_heads, head_dim, block_size, dtype, ge
     shape = (nb + 1, num_kv_heads, block_size, head_dim)
     caches = []
     for _ in range(2):
-        buf = torch.randn(shape, generator=gen).to(dtype)
+        buf = torch.randn(shape, generator=gen).to(dtype).float()  # poisoned in float32: FP8 has no masked_fill
         buf[0] = NAN  # sits just before the cache: what block id -1 would address
         buf[1:].permute(0, 2, 1, 3)[poison] = NAN
-        caches.append(buf[1:].to(DEVICE))
+        caches.append(buf.to(dtype)[1:].to(DEVICE))
     as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
     return (*caches, bt.to(DEVICE), as_int(lens), as_int(cu), as_int(prefixes))
 
@@ -106,6 +106,22 @@ def test_cascade_equals_decode(backend, dtype, case, gen, nan_buffers):
     out = ops.cascade_attention_decode(*args, *groups, backend=backend)
     assert out.shape == args[0].shape and out.dtype == dtype
     check(out, ref, dtype, gen, f"cascade {backend}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}x{c[2]}")
+def test_cascade_over_an_e4m3_cache_with_the_split_query(case, gen, nan_buffers, monkeypatch):
+    """The suffix pass is the decode kernel from each row's ctx_start: over an e4m3 cache with the split
+    query (forced where it would not be taken), at bfloat16's tolerance as in test_ops."""
+    from ops import paged_attention
+
+    if ON_GPU and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9 or later")
+    monkeypatch.setattr(paged_attention, "split_query", lambda q, key_cache: True)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    (q, *rest), groups = cascade_inputs(case, torch.float8_e4m3fn, gen)
+    args = (torch.randn(q.shape, generator=gen).to(dtype).to(DEVICE), *rest)
+    out = ops.cascade_attention_decode(*args, *groups)
+    check(out, decode_oracle(*args), torch.bfloat16, gen, "cascade over e4m3, split query")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -314,6 +314,24 @@ def test_attention_over_an_fp8_cache(backend, cache_dtype, kind, gen, nan_output
     check(out, ref, dtype, gen, f"{kind} {backend} over {cache_dtype}")
 
 
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}x{c[2]}-d{c[3]}")
+def test_decode_over_an_e4m3_cache_with_the_split_query(case, num_splits, gen, nan_outputs, monkeypatch):
+    """The decode kernel's split query (ops/paged_attention.py, split_query_fp8): the e4m3 keys multiplied as
+    stored by the query as two e4m3 parts, on and off Hopper and in the interpreter (forced where
+    split_query would not take it). The float64 oracle over the same cache, at bfloat16's tolerance: the two
+    parts keep about a bfloat16 query's precision, whatever the query's dtype."""
+    from ops import paged_attention
+
+    if ON_GPU and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9 or later")
+    monkeypatch.setattr(paged_attention, "split_query", lambda q, key_cache: True)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    args = decode_inputs(case, dtype, gen, torch.float8_e4m3fn)
+    out = paged_attention.paged_attention_decode(*args, num_splits=num_splits)
+    check(out, decode_oracle(*args), torch.bfloat16, gen, f"split query, {num_splits} splits")
+
+
 def rows_of_a_larger_buffer(q, lead):
     """A NaN buffer with `lead` rows before and one after q's rows; returns (buffer, the view for q)."""
     buf = torch.full((lead + q.shape[0] + 1, *q.shape[1:]), NAN, dtype=q.dtype, device=q.device)
