@@ -351,7 +351,7 @@ def sm_count(device):
     return 132  # interpreter: behave as on an H200 so that CPU tests take the same paths
 
 
-# Tunables (the benchmarks may override them). Keys: "gpu", "gpu_short", "gpu_fp32", "interp" (decode_cfg).
+# Tunables (the benchmarks may override them), picked by decode_cfg.
 DECODE_CFG = {
     "gpu": dict(BLOCK_N=64, num_warps=4, num_stages=3),
     # the cascade's suffix pass: each row's own context is short, so a smaller last tile wastes less
@@ -421,14 +421,15 @@ def split_query(q, key_cache):
     return _capability(q.device.index if q.device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
-def decode_cfg(q, key_cache, short_contexts=False):
+def decode_cfg(q, key_cache, short_contexts=False, split=False):
+    """The DECODE_CFG entry of a decode launch; split: the launch takes the split query (split_query)."""
     if not q.is_cuda:
         return DECODE_CFG["interp"]
     if q.dtype == torch.float32:
         return DECODE_CFG["gpu_fp32"]
     if short_contexts:
         return DECODE_CFG["gpu_short"]
-    if split_query(q, key_cache):
+    if split:
         return DECODE_CFG["gpu_fp8_split_query"]
     return DECODE_CFG["gpu_fp8" if key_cache.dtype in paged_attention_reference.FP8_DTYPES else "gpu"]
 
@@ -451,7 +452,8 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
     ranges of a few hundred tokens (decode_cfg)."""
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
-    cfg = decode_cfg(q, key_cache, short_contexts)
+    split_q = split_query(q, key_cache)
+    cfg = decode_cfg(q, key_cache, short_contexts, split_q)
     split = partials is not None
     part_o, part_lse = partials if split else (out, out)
     out = out if out is not None else q  # unused when split
@@ -464,7 +466,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
         BLOCK_D=triton.next_power_of_2(D), BLOCK_SIZE=bs, BLOCK_N=cfg["BLOCK_N"], SPLIT=split,
         BLOCK_S=part_lse.shape[2] if split else 1, HAS_CTX_START=ctx_start is not None,
         HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
-        SPLIT_QUERY=split_query(q, key_cache), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPLIT_QUERY=split_q, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 

@@ -45,7 +45,7 @@ def project_scaled_by_reader(x: torch.Tensor, linear: nn.Linear) -> tuple[torch.
     (product, scales), where an FP8 weight's product of a few rows comes unscaled, float32, with its (row,
     column) scales for that kernel to apply, which saves a kernel (ops.fp8_product); else project's and None."""
     if linear.weight.dtype != torch.float8_e4m3fn:
-        return torch.nn.functional.linear(x, linear.weight), None
+        return project(x, linear), None
     return ops.fp8_product(x, linear.weight, linear.weight_scale, getattr(linear, "input_weight", None))
 
 
