@@ -361,8 +361,9 @@ DECODE_CFG = {
     # an FP8 cache the split query does not take: the fastest of 24 tiles on the H200 over 3 shapes
     # (benchmarks/NOTES.md, sessions 25 and 27)
     "gpu_fp8": dict(BLOCK_N=128, num_warps=4, num_stages=3),
-    # an e4m3 cache on Hopper, split query (split_query): the fastest of 8 tiles on the H200 (session 27)
-    "gpu_fp8_split_query": dict(BLOCK_N=64, num_warps=4, num_stages=2),
+    # an e4m3 cache on Hopper, split query (split_query): the fastest of 18 tiles and register caps on the
+    # H200 over 4 shapes (benchmarks/NOTES.md, session 28)
+    "gpu_fp8_split_query": dict(BLOCK_N=128, num_warps=4, num_stages=1),
     "interp": dict(BLOCK_N=32, num_warps=4, num_stages=1),
 }
 SPLIT_MIN_TOKENS = 128      # never cut a sequence into pieces shorter than this (on average)
