@@ -15,16 +15,18 @@ tile configs x forced prefix chunk counts, then decode kernel configs for the su
 merge, and the suffix pass (the decode kernel from each row's context start) at several decode tiles, with
 the suffix K/V's share of the copy speed; then the prefix pass at several tiles x forced chunk counts.
 
---break-even (python3 benchmarks/cascade.py --break-even) times, instead, what the engine's decode graphs
-run: plain decode against the cascade op with its groups padded to the engine's static size (empty
-groups, engine/cuda_graphs.copy_groups), on batches of 256 rows: one group of r rows sharing a prefix of
-p tokens (r in 2..256, p in 16..2048) and 256 - r rows with contexts of their own of the same length,
-every row with its own suffix of 64-192 tokens. It prints the speed-up table and the smallest
-(rows, prefix) thresholds for engine/prefix_groups.py (CASCADE_MIN_ROWS, CASCADE_MIN_PREFIX_TOKENS)
-above which cascade wins everywhere in the grid.
+--groups times what the engine's decode graphs run: plain decode (rows longest first) against the cascade
+op with its groups padded to the engine's static size (empty groups, engine/cuda_graphs.copy_groups), on
+batches of 64-512 rows, all or half of them in groups of 2-16 rows sharing 128-1,536 tokens, each row with
+its own 1-64 or 1-512 tokens, and prints one CSV line a point: the data
+that engine/prefix_groups.py's cost model is fitted to; --fit CSV (on any machine) fits StepCost to it.
+--many times the op's parts (prefix pass at its tile and at others, in the engine's layout and with only the
+batch's own groups, the suffix pass, the merge) on batches of many small groups, such as the n samples of
+prompts.
 Without CUDA it prints a message and exits 0.
 """
 import argparse
+import itertools
 import math
 import sys
 import time
@@ -40,7 +42,7 @@ from benchmarks.ops import bench  # noqa: E402
 from benchmarks.profile_decode import COPY_BYTES_PER_S  # noqa: E402
 from engine.attention import CascadeMetadata  # noqa: E402
 from engine.cuda_graphs import copy_groups  # noqa: E402
-from engine.prefix_groups import CascadePolicy  # noqa: E402
+from engine.prefix_groups import MAX_CASCADE_GROUPS, CascadePolicy, StepCost  # noqa: E402
 from ops import cascade, paged_attention  # noqa: E402
 
 HQ, HKV, D, BS, PREFIX = 16, 8, 128, 16, 2048
@@ -55,10 +57,13 @@ SWEEP_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8,
 DT = torch.bfloat16
 ESZ = 2
 MAX_MODEL_LEN = 4096  # conf/model/qwen3-0.6b.yaml: the engine's graphs see block tables this wide
-BREAK_EVEN_BATCH = 256
-BREAK_EVEN_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)
-BREAK_EVEN_PREFIXES = (16, 64, 128, 256, 512, 1024, 2048)
-WIN = 0.97  # cascade wins where it takes at most this share of plain decode's time
+FIT_FIELDS = ("batch", "rows", "prefix", "own_max", "shared_share", "own_tokens", "group_prefix_tokens",
+              "repeated_tokens", "plain_us", "cascade_us")
+GROUPS_BATCHES = (64, 128, 256, 512)
+GROUPS_ROWS = (2, 4, 8, 16)
+GROUPS_PREFIXES = (128, 512, 1024, 1536)
+GROUPS_OWN = (64, 512)
+GROUPS_SHARES = (1.0, 0.5)
 
 
 def make_batch(group_sizes, prefix, suffixes, generator, dev="cuda"):
@@ -89,13 +94,15 @@ def make_batch(group_sizes, prefix, suffixes, generator, dev="cuda"):
     )
 
 
-def time_pair(x, num_chunks=None):
-    """(plain us, cascade us, relative error of cascade against plain), as CUDA-graph replays."""
+def time_pair(x, num_chunks=None, longest_first=False):
+    """(plain us, cascade us, relative error of cascade against plain), as CUDA-graph replays. longest_first:
+    plain decode starts its rows longest first, as the engine runs it."""
     plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], 1 / math.sqrt(D))
     groups = (x["cu_group_rows"], x["group_prefix_lens"])
+    order = torch.argsort(-x["seq_lens"], stable=True).to(torch.int32) if longest_first else None
 
     def plain():
-        return ops.paged_attention_decode(*plain_args)
+        return ops.paged_attention_decode(*plain_args, row_order=order)
 
     def cascaded():
         return cascade.cascade_attention_decode(*plain_args, *groups, num_chunks=num_chunks)
@@ -208,44 +215,119 @@ def time_parts(batch, suffixes, generator):
               flush=True)
 
 
-def break_even(generator) -> float:
-    """Times plain and cascade decode for one group of r rows sharing p tokens in a batch of
-    BREAK_EVEN_BATCH rows, prints the speed-ups and the thresholds; returns the worst relative error."""
-    speedup, worst = {}, 0.0
-    for p in BREAK_EVEN_PREFIXES:
-        for r in BREAK_EVEN_ROWS:
-            suffixes = torch.randint(64, 193, (BREAK_EVEN_BATCH,), generator=generator)
-            x = engine_layout(make_batch([r] + [1] * (BREAK_EVEN_BATCH - r), p, suffixes, generator))
-            t_plain, t_cascade, err = time_pair(x)
-            speedup[r, p], worst = t_plain / t_cascade, max(worst, err)
-            del x
-            torch.cuda.empty_cache()
-    print(f"plain / cascade decode time (CUDA-graph replays), batch {BREAK_EVEN_BATCH}: one group of r rows sharing "
-          f"p tokens, the other rows as long but unshared, suffixes 64-192; * = cascade wins (<= {WIN:.0%} of plain)")
-    print("| rows \\ prefix | " + " | ".join(map(str, BREAK_EVEN_PREFIXES)) + " |")
-    print("|---" * (len(BREAK_EVEN_PREFIXES) + 1) + "|")
-    for r in BREAK_EVEN_ROWS:
-        cells = [f"{speedup[r, p]:.2f}{'*' if speedup[r, p] >= 1 / WIN else ''}" for p in BREAK_EVEN_PREFIXES]
-        print(f"| {r} | " + " | ".join(cells) + " |")
-    corners = win_corners(speedup)
-    print("cascade wins at every grid point with rows >= R and prefix >= P for (R, P) = "
-          + (", ".join(map(str, corners)) or "none"))
-    if corners:
-        r, p = max(corners, key=lambda c: sum(r2 >= c[0] and p2 >= c[1] for r2, p2 in speedup))
-        print(f"widest such region: CASCADE_MIN_ROWS = {r}, CASCADE_MIN_PREFIX_TOKENS = {p} (engine/prefix_groups.py)")
+MANY_CASES = ((512, 16, 1024, 512), (512, 16, 1024, 64), (256, 8, 512, 256), (64, 16, 128, 64), (64, 4, 1536, 64))
+MANY_PREFIX_TILES = ((32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2))
+
+
+def time_many_parts(generator) -> None:
+    """The cascade op's parts on batches of many small groups (MANY_CASES: rows, group rows, prefix, own
+    tokens up to), in the engine's layout and with only the batch's own groups, at the op's chunk count and
+    one chunk, and the prefix pass at smaller tiles (MANY_PREFIX_TILES: BLOCK_M, BLOCK_N, warps, stages)."""
+    for batch, r, p, own in MANY_CASES:
+        suffixes = torch.randint(1, own + 1, (batch,), generator=generator)
+        exact = make_batch([r] * (batch // r), p, suffixes, generator)
+        x = engine_layout(exact)
+        q, kc, vc, bt, seq_lens = x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"]
+        cfg = paged_attention.prefill_cfg(q, kc)
+        chunks, splits = op_partitions(x)
+        scale = D ** -0.5
+        ctx_start, out = torch.zeros(batch, dtype=torch.int32, device=q.device), torch.empty_like(q)
+
+        def prefix(layout, tile, num_chunks, max_rows=None):
+            tile_m, tile_q = paged_attention.query_tile(tile, HQ // HKV, max_rows, True)
+            partials = paged_attention.decode_partials(q, num_chunks + splits)
+            return lambda: cascade._launch_prefix(q, kc, vc, bt, scale, layout["cu_group_rows"],
+                                                  layout["group_prefix_lens"], ctx_start, partials, num_chunks,
+                                                  tile_m, tile_q, tile)
+
+        t_plain, t_op, _ = time_pair(x, longest_first=True)
+        partials = paged_attention.decode_partials(q, chunks + splits)
+        prefix(x, cfg, chunks)()  # sets ctx_start
+        order = torch.argsort(seq_lens - ctx_start, descending=True, stable=True).to(torch.int32)
+        parts = {
+            "prefix, engine layout": prefix(x, cfg, chunks),
+            "prefix, own groups only": prefix(exact, cfg, chunks),
+            "prefix, engine layout, 1 chunk": prefix(x, cfg, 1),
+            "prefix, own groups, 1 chunk": prefix(exact, cfg, 1),
+            "suffix": lambda: paged_attention.launch_decode(q, kc, vc, bt, seq_lens, scale, splits, partials=partials,
+                                                            ctx_start=ctx_start, first_slot=chunks, short_contexts=True),
+            "suffix, longest first": lambda: paged_attention.launch_decode(
+                q, kc, vc, bt, seq_lens, scale, splits, partials=partials, ctx_start=ctx_start, first_slot=chunks,
+                row_order=order, short_contexts=True),
+            "merge": lambda: paged_attention.launch_reduce(partials, out, chunks + splits, ctx_start, chunks),
+        }
+        for block_m, block_n, warps, stages in MANY_PREFIX_TILES:
+            tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            for n in (1, chunks):
+                parts[f"prefix {block_m}x{block_n}/{warps}/{stages}, own groups, {n} chunk(s)"] = prefix(exact, tile, n, r)
+        prefix_mb = batch // r * p * 2 * HKV * D * ESZ / 1e6
+        suffix_mb = int(suffixes.sum()) * 2 * HKV * D * ESZ / 1e6
+        print(f"\nbatch {batch}, groups of {r} sharing {p}, own 1-{own}: plain {t_plain:.1f} us, op {t_op:.1f} us; "
+              f"{chunks} chunks, {splits} splits; K/V MB prefix {prefix_mb:.0f}, own {suffix_mb:.0f} "
+              f"(ideal {(prefix_mb + suffix_mb) / COPY_BYTES_PER_S * 1e12:.1f} us)")
+        for name, fn in parts.items():
+            print(f"  {name}: {bench(fn, graph=True) * 1e3:.1f} us", flush=True)
+        del x, exact
+        torch.cuda.empty_cache()
+
+
+def groups_grid(generator) -> float:
+    """The data of engine/prefix_groups.py's cost model: plain decode (rows longest first, as the engine runs
+    it) against the cascade op in the engine's layout, on batches of B rows where a share of the rows sit in
+    groups of r rows sharing p tokens and the rest have contexts of their own as long, each row followed by
+    its own 1..s tokens. One CSV line a point; returns the worst relative error."""
+    worst = 0.0
+    print("fit," + ",".join(FIT_FIELDS))
+    for batch, r, p, own, share in itertools.product(GROUPS_BATCHES, GROUPS_ROWS, GROUPS_PREFIXES, GROUPS_OWN,
+                                                     GROUPS_SHARES):
+        groups = int(batch * share) // r
+        if groups > MAX_CASCADE_GROUPS or groups == 0:
+            continue
+        suffixes = torch.randint(1, own + 1, (batch,), generator=generator)
+        x = engine_layout(make_batch([r] * groups + [1] * (batch - r * groups), p, suffixes, generator))
+        t_plain, t_cascade, err = time_pair(x, longest_first=True)
+        worst = max(worst, err)
+        own_tokens = int(suffixes.sum()) + (batch - r * groups) * p  # what no other row shares
+        print(f"fit,{batch},{r},{p},{own},{share},{own_tokens},{groups * p},{(r - 1) * groups * p},"
+              f"{t_plain:.2f},{t_cascade:.2f}", flush=True)
+        del x
+        torch.cuda.empty_cache()
     return worst
 
 
-def win_corners(speedup) -> list[tuple[int, int]]:
-    """For each row count R, the smallest prefix P such that cascade wins at every grid point with
-    rows >= R and prefix >= P (none where no such P exists)."""
-    corners = []
-    for r in BREAK_EVEN_ROWS:
-        winning = [p for p in BREAK_EVEN_PREFIXES
-                   if all(s >= 1 / WIN for (r2, p2), s in speedup.items() if r2 >= r and p2 >= p)]
-        if winning and (not corners or winning[0] < corners[-1][1]):  # a larger R with the same P adds nothing
-            corners.append((r, winning[0]))
-    return corners
+def fit_step_cost(path: str, entries: int) -> StepCost:
+    """engine/prefix_groups.StepCost fitted (least squares, each path on its own) to the `fit` lines of a
+    --groups run saved in path, whose static group buffers held `entries` groups (the prefix pass's programs
+    count them); prints it with each path's worst and median relative error, and how often
+    the fitted pair picks the faster path of the grid's points (and the time lost where it does not)."""
+    lines = [line.strip().split(",")[1:] for line in Path(path).read_text().splitlines() if line.startswith("fit,")]
+    rows = [dict(zip(FIT_FIELDS, map(float, line))) for line in lines if line[0] != "batch"]
+    groups = np.array([r["group_prefix_tokens"] / r["prefix"] for r in rows])
+    batch = np.array([r["batch"] for r in rows])
+    own = np.array([r["own_tokens"] for r in rows])
+    prefix = np.array([r["group_prefix_tokens"] for r in rows])
+    repeated = np.array([r["repeated_tokens"] for r in rows])
+    plain_us, cascade_us = np.array([r["plain_us"] for r in rows]), np.array([r["cascade_us"] for r in rows])
+    h200 = torch.device("cpu")  # off the GPU, sm_count answers the H200's
+    programs = np.array([cascade.prefix_grid_programs(int(b), HQ, HKV, MAX_MODEL_LEN, entries, h200) for b in batch])
+    ones = np.ones_like(batch)
+    x_plain = np.stack([ones, batch, own + prefix, repeated], axis=1)
+    x_cascade = np.stack([ones, programs, own, prefix, groups], axis=1)
+    c_plain = np.linalg.lstsq(x_plain, plain_us, rcond=None)[0]
+    c_cascade = np.linalg.lstsq(x_cascade, cascade_us, rcond=None)[0]
+    cost = StepCost(tuple(round(float(c), 6) for c in c_plain), tuple(round(float(c), 6) for c in c_cascade),
+                    2 * HKV * D * ESZ)
+    for name, x, c, t in (("plain", x_plain, c_plain, plain_us), ("cascade", x_cascade, c_cascade, cascade_us)):
+        err = np.abs(x @ c - t) / t
+        print(f"{name}: worst relative error {err.max():.1%}, median {np.median(err):.1%} over {len(t)} points")
+    picks = x_cascade @ c_cascade < x_plain @ c_plain
+    best = np.minimum(plain_us, cascade_us)
+    taken = np.where(picks, cascade_us, plain_us)
+    print(f"the fit picks the faster path at {(taken == best).sum()} of {len(best)} points; it loses "
+          f"{(taken - best).sum() / best.sum():.1%} of the grid's best time, the better fixed path "
+          f"{min(plain_us.sum(), cascade_us.sum()) / best.sum() - 1:.1%}")
+    print(cost)
+    return cost
 
 
 def main():
@@ -253,9 +335,16 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time forced prefix chunk counts")
     ap.add_argument("--parts", action="store_true",
                     help="only the op's three kernels alone, with suffix-pass tiles, at 256 and 512 rows")
-    ap.add_argument("--break-even", action="store_true",
-                    help="only the engine's break-even grid of group rows x prefix length (CASCADE_MIN_*)")
+    ap.add_argument("--groups", action="store_true",
+                    help="only the grid of many groups (engine/prefix_groups.py's cost model), as CSV")
+    ap.add_argument("--many", action="store_true", help="only the op's parts on batches of many small groups")
+    ap.add_argument("--fit", metavar="CSV", help="fit engine/prefix_groups.StepCost to a saved --groups run (no GPU)")
+    ap.add_argument("--entries", type=int, default=CascadePolicy.for_mode("on", torch.device("cpu")).max_entries,
+                    help="with --fit: the static group count of the run that wrote the CSV (default: this tree's)")
     args = ap.parse_args()
+    if args.fit:
+        fit_step_cost(args.fit, args.entries)
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks/cascade.py needs a CUDA GPU; nothing to time here.")
         return 0
@@ -266,8 +355,11 @@ def main():
         for batch, lo, hi in ((512, 16, 256), (512, 16, 512), (256, 64, 512)):
             time_parts(batch, torch.randint(lo, hi + 1, (batch,), generator=generator), generator)
         return 0
-    if args.break_even:
-        worst = break_even(generator)
+    if args.many:
+        time_many_parts(generator)
+        return 0
+    if args.groups:
+        worst = groups_grid(generator)
         print(f"worst rel err cascade vs plain: {worst:.1e}; total {time.time() - t0:.0f} s")
         return 0 if worst < 1e-2 else 1
     print(f"shared prefix {PREFIX}; CUDA-graph replays; % = K/V bytes read / time / {COPY_BYTES_PER_S / 1e12:.2f} TB/s")

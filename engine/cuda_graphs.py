@@ -5,7 +5,7 @@ A decode step copies its inputs into static buffers, pads the batch up to the sm
 holds it (padding rows: slot -1, so nothing is written, seq_len 0, so nothing is read, and last in
 decode_order) and replays that bucket's graph. block_tables are as wide as max_model_len needs, so a
 graph never depends on the batch's current lengths. With a CascadePolicy, buckets of at least its
-min_rows also get a cascade graph, for steps whose decode rows share prefixes: its static group buffers
+min_step_rows also get a cascade graph, for steps whose decode rows share prefixes: its static group buffers
 hold max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
 prefix 0), and the bucket's padding rows come after every group.
 
@@ -80,7 +80,7 @@ class DecodeGraphs:
             entries = cascade.max_entries
             self.groups = CascadeMetadata(torch.zeros(entries + 1, dtype=torch.int32, device=device),
                                           torch.zeros(entries, dtype=torch.int32, device=device))
-            keys += [(size, True) for size in self.buckets if size >= cascade.min_rows]
+            keys += [(size, True) for size in self.buckets if size >= cascade.min_step_rows]
         self.graphs, self.outputs = {}, {}
         pool = None
         for key in sorted(keys, reverse=True):  # largest first, so the smaller ones reuse its pool

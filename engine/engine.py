@@ -30,6 +30,7 @@ from engine.stats import StatsRecorder, snapshot
 from engine.structured import GrammarCompiler, StructuredOutputsParams
 from engine.tokenizer import load_tokenizer
 from engine.watchdog import stalled, step_deadline_s, wait_until
+from ops.cascade import prefix_grid_programs
 
 log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -139,7 +140,12 @@ class LLMEngine:
         laps.lap("kv_pool")
         for future in compiling:  # before the graphs' capture, which takes the whole device
             future.result()
-        cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device)
+        spec = self.model.kv_cache_spec
+        cascade = CascadePolicy.for_mode(
+            cfg.cache.cascade_attention, self.device, per_block // (self.block_size * spec.num_layers),
+            functools.partial(prefix_grid_programs, num_q_heads=self.model.arch.num_attention_heads,
+                              num_kv_heads=spec.num_kv_heads, max_ctx=max_blocks_per_seq * self.block_size,
+                              device=self.device))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
         graph_batch = 0 if eager else max_num_seqs

@@ -8,36 +8,92 @@ number of leading block-table columns equal across all its rows, counted only wi
 member's full blocks, times block_size. CascadePolicy decides which candidates take the cascade path.
 """
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-# cache.cascade_attention=auto takes a group only where it pays off. On the H200, benchmarks/cascade.py
-# --break-even (one group among 256 decode rows, the others unshared) has cascade win everywhere with
-# >= 128 rows sharing >= 1,024 tokens, and a 64-row group lose 2-10% (plain decode reads a shared prefix of a
-# few MB from L2, and the cascade path's partials cost every row); but in shared_prefix, where every row
-# shares, plain steps of 64-127 rows took 6.45 ms against 4.25 ms for cascade steps of 128-191 rows.
+# cache.cascade_attention=auto weighs each step with StepCost, on decode steps of at least CASCADE_MIN_ROWS rows
+# (the buckets that get a cascade graph: fewer rows rarely pay for the op's extra kernels, and each graph costs
+# start-up).
 CASCADE_MIN_ROWS = 64
-CASCADE_MIN_PREFIX_TOKENS = 1024
-MAX_CASCADE_GROUPS = 8  # sharing groups per step: those that save the most K/V reads
+# Sharing groups per step (those that save the most K/V reads). The graphs' static group buffers hold twice as
+# many, and every entry adds programs to the prefix pass's grid whether or not it holds a group.
+MAX_CASCADE_GROUPS = 32
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One layer's decode attention, in microseconds, as linear in what a step's rows read:
+        plain   = plain[0] + plain[1] rows + plain[2] unique tokens + plain[3] repeated tokens
+        cascade = cascade[0] + cascade[1] prefix-pass programs + cascade[2] own tokens + cascade[3] prefix tokens
+                  + cascade[4] groups
+    A group of r rows sharing p tokens has p prefix tokens, which plain decode reads r times (r - 1 of them
+    repeated, partly from L2); own tokens are every row's others. The prefix pass's programs are its grid's
+    (ops.cascade.prefix_grid_programs), most of which find nothing to do on steps of few groups. Token terms
+    are for kv_bytes_per_token bytes of K and V a token and a layer; a model with other heads scales them by
+    its own bytes."""
+
+    plain: tuple[float, float, float, float]
+    cascade: tuple[float, float, float, float, float]
+    kv_bytes_per_token: int
+
+    def groups_that_pay(self, rows: np.ndarray, prefixes: np.ndarray, kv_bytes_per_token: int) -> np.ndarray:
+        """Per group (rows [G], prefix tokens [G]): whether taking it shortens the cascade: its r p tokens
+        leave the suffix pass for the prefix pass, which reads p of them, at the price of a group."""
+        scale = kv_bytes_per_token / self.kv_bytes_per_token
+        _, _, own, prefix, group = self.cascade
+        return scale * (own * rows - prefix) * prefixes > group
+
+    def cascade_pays(self, num_rows: int, tokens: int, rows: np.ndarray, prefixes: np.ndarray,
+                     kv_bytes_per_token: int, prefix_programs: int) -> bool:
+        """Whether the cascade with these groups, whose prefix pass launches prefix_programs programs, beats
+        plain decode on a step of num_rows rows reading tokens K/V tokens in all (each row's whole context)."""
+        scale = kv_bytes_per_token / self.kv_bytes_per_token
+        grouped, prefix_tokens = int((rows * prefixes).sum()), int(prefixes.sum())
+        repeated = grouped - prefix_tokens
+        plain = self.plain[0] + self.plain[1] * num_rows + scale * (
+            self.plain[2] * (tokens - repeated) + self.plain[3] * repeated)
+        cascade = self.cascade[0] + self.cascade[1] * prefix_programs + scale * (
+            self.cascade[2] * (tokens - grouped) + self.cascade[3] * prefix_tokens) + self.cascade[4] * rows.size
+        return cascade < plain
+
+
+# Fitted by benchmarks/cascade.py --fit to its --groups grid on the H200 (benchmarks/NOTES.md, session 28):
+# Qwen3-0.6B's heads (16 q, 8 kv of 128, bfloat16: 4,096 bytes of K and V a token and a layer).
+STEP_COST = StepCost(plain=(12.404063, 0.049146, 0.00088, 0.00067),
+                     cascade=(22.432304, 0.007538, 0.000917, 0.001927, 0.778133), kv_bytes_per_token=4096)
 
 
 @dataclass(frozen=True)
 class CascadePolicy:
-    """Which candidate groups take cascade attention: those of >= min_rows rows whose prefix is >=
-    min_prefix_tokens, at most max_groups a step (the largest (rows - 1) * prefix: K/V tokens not read)."""
+    """Which candidate groups take cascade attention, on decode steps of >= min_step_rows rows: those of
+    >= min_rows rows whose prefix is >= min_prefix_tokens, at most max_groups a step (the largest
+    (rows - 1) * prefix: K/V tokens not read); with a cost, only the groups that shorten the cascade, and
+    only where it is predicted to beat plain decode. kv_bytes_per_token: the model's K and V a token and a
+    layer; prefix_programs(rows, num_groups=): the prefix pass's grid for a step of that many rows and the
+    graphs' static group count."""
 
     min_rows: int
     min_prefix_tokens: int
     max_groups: int = MAX_CASCADE_GROUPS
+    min_step_rows: int = 2
+    cost: StepCost | None = None
+    kv_bytes_per_token: int = 0
+    prefix_programs: Callable[..., int] | None = None
 
     @classmethod
-    def for_mode(cls, mode: str, device: torch.device) -> "CascadePolicy | None":
+    def for_mode(cls, mode: str, device: torch.device, kv_bytes_per_token: int = 0,
+                 prefix_programs: Callable[..., int] | None = None) -> "CascadePolicy | None":
         """cache.cascade_attention: off never; on every group of >= 2 rows sharing >= 1 block (the CPU runs
-        the op's torch reference); auto only on CUDA, with the break-even thresholds above. None: never."""
+        the op's torch reference); auto only on CUDA, where STEP_COST predicts a gain. None: never."""
         if mode == "off" or (mode == "auto" and device.type != "cuda"):
             return None
-        return cls(2, 1) if mode == "on" else cls(CASCADE_MIN_ROWS, CASCADE_MIN_PREFIX_TOKENS)
+        if mode == "on":
+            return cls(2, 1)
+        return cls(2, 1, min_step_rows=CASCADE_MIN_ROWS, cost=STEP_COST,
+                   kv_bytes_per_token=kv_bytes_per_token or STEP_COST.kv_bytes_per_token,
+                   prefix_programs=prefix_programs)
 
     @property
     def max_entries(self) -> int:
@@ -65,12 +121,13 @@ def find_prefix_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_siz
     Invariant of the result: every g with group_prefix_lens[g] = p > 0 is a run of >= policy.min_rows
     adjacent rows with the same first block whose tables agree on their first p / block_size columns;
     p is a multiple of block_size, >= policy.min_prefix_tokens and <= the full blocks of every member
-    (so <= its seq_len). Groups with p = 0 are the rows between two sharing groups (the op needs its
+    (so <= its seq_len); with policy.cost, each group pays for itself and the step's cascade is predicted
+    faster than plain decode. Groups with p = 0 are the rows between two sharing groups (the op needs its
     groups contiguous from row 0; such a group takes the plain path). At most policy.max_groups groups
     share, so G <= policy.max_entries. Cost: numpy over the rows and the columns of the shortest
     member's full blocks of the largest candidate, no loop over rows or tokens."""
     n = seq_lens.shape[0]
-    if n < max(policy.min_rows, 2):
+    if n < max(policy.min_step_rows, policy.min_rows, 2):
         return None
     first = block_tables[:, 0]
     run_starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
@@ -90,6 +147,13 @@ def find_prefix_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_siz
     if starts.size > policy.max_groups:
         best = np.argsort(-(ends - starts - 1) * prefixes, kind="stable")[:policy.max_groups]
         starts, ends, prefixes = (x[np.sort(best)] for x in (starts, ends, prefixes))
+    if policy.cost is not None:
+        programs = policy.prefix_programs(n, num_groups=policy.max_entries) if policy.prefix_programs else 0
+        pays = policy.cost.groups_that_pay(ends - starts, prefixes, policy.kv_bytes_per_token)
+        starts, ends, prefixes = starts[pays], ends[pays], prefixes[pays]
+        if starts.size and not policy.cost.cascade_pays(n, int(seq_lens.sum()), ends - starts, prefixes,
+                                                        policy.kv_bytes_per_token, programs):
+            return None
     if starts.size == 0:
         return None
     return _layout(starts, ends, prefixes)

@@ -87,6 +87,15 @@ def prefix_num_chunks(batch, num_kv_heads, block_q, max_prefix, device):
     return max(1, min(want, max_prefix // CHUNK_MIN_TOKENS, paged_attention.SPLIT_MAX))
 
 
+def prefix_grid_programs(batch, num_q_heads, num_kv_heads, max_ctx, num_groups, device) -> int:
+    """Programs in the prefix pass's grid on the GPU, 16-bit queries of head_dim <= 128 (what the engine's
+    decode graphs launch): (batch // BLOCK_Q + num_groups) x kv heads x chunks. Most of them find no rows when
+    the groups are few and the static group buffers many; each still costs a launch (engine/prefix_groups.py)."""
+    block_q = paged_attention.query_tile(paged_attention.PREFILL_CFG["gpu"], num_q_heads // num_kv_heads, None, True)[1]
+    chunks = prefix_num_chunks(batch, num_kv_heads, block_q, max_ctx, device)
+    return (batch // block_q + num_groups) * num_kv_heads * chunks
+
+
 def _launch_prefix(q, key_cache, value_cache, block_tables, scale, cu_group_rows, group_prefix_lens,
                    ctx_start, partials, num_chunks, block_m, block_q, cfg):
     B, Hq, D = q.shape

@@ -1,12 +1,15 @@
 """engine/prefix_groups.py: a hand-computed example, and a property test against a brute-force oracle
 (pure Python over rows) whose results must also satisfy the op's own group check."""
+import functools
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.prefix_groups import CascadePolicy, find_prefix_groups
+from engine.prefix_groups import CascadePolicy, StepCost, find_prefix_groups
+from ops.cascade import prefix_grid_programs
 from ops.paged_attention_reference import check_cascade_groups
 
 ON = CascadePolicy(2, 1)
@@ -50,12 +53,70 @@ def test_no_groups():
     assert groups_of(ON, [[1, 2], [3, 4]], [8, 8]) is None  # no first block in common
 
 
+# plain = 10 + 1 row + 0.5 unique token + 0.25 repeated token; cascade = 20 + 2 prefix-pass programs
+# + 0.5 own token + 1 prefix token + 3 groups (microseconds, for 100 bytes of K/V a token)
+COST = StepCost(plain=(10, 1, 0.5, 0.25), cascade=(20, 2, 0.5, 1, 3), kv_bytes_per_token=100)
+
+
+def test_step_cost_by_hand():
+    rows, prefixes = np.array([3, 2]), np.array([8, 12])
+    # a group pays when (0.5 r - 1) p > 3 at 100 bytes a token: 0.5 * 8 = 4 > 3 yes, 0 * 12 no; at 200
+    # bytes the terms double: (1 r - 2) p > 3: 8 yes, 0 no
+    assert COST.groups_that_pay(rows, prefixes, 100).tolist() == [True, False]
+    assert COST.groups_that_pay(rows, prefixes, 200).tolist() == [True, False]
+    assert COST.groups_that_pay(np.array([3]), np.array([6]), 100).tolist() == [False]  # 0.5 * 6 = 3, not > 3
+    # 11 rows reading 91 tokens, groups as above: grouped 3 * 8 + 2 * 12 = 48 tokens, prefixes 20, repeated 28.
+    # with 11 programs: plain 10 + 11 + 0.5 * 63 + 0.25 * 28 = 59.5; cascade 20 + 22 + 0.5 * 43 + 20 + 6 = 89.5
+    assert not COST.cascade_pays(11, 91, rows, prefixes, 100, 11)
+    # with 64 rows sharing 1,000 tokens in one group, reading 64,000 + 640 own: plain 10 + 64 + 0.5 * 1,640
+    # + 0.25 * 63,000 = 16,644; cascade, 64 programs: 20 + 128 + 0.5 * 640 + 1,000 + 3 = 1,471; with 8,000
+    # programs: 20 + 16,000 + 1,323 = 17,343, plain
+    assert COST.cascade_pays(64, 64_640, np.array([64]), np.array([1000]), 100, 64)
+    assert not COST.cascade_pays(64, 64_640, np.array([64]), np.array([1000]), 100, 8000)
+
+
+def test_groups_that_the_cost_takes():
+    programs = lambda rows, num_groups: rows  # noqa: E731 (11 here)
+    policy = CascadePolicy(2, 1, cost=COST, kv_bytes_per_token=100, prefix_programs=programs)
+    # candidates A (3 rows x 8), B (2 x 12), C (2 x 4): only A pays for itself ((0.5 * 3 - 1) 8 = 4 > 3), and
+    # then the step: 11 rows, 91 tokens, A alone: plain 10 + 11 + 0.5 * 75 + 0.25 * 16 = 62.5; cascade 20 + 22
+    # + 0.5 * 67 + 8 + 3 = 86.5: plain wins, so no groups
+    assert groups_of(policy) is None
+    cheap = StepCost(plain=(10, 1, 0.5, 0.25), cascade=(0, 0, 0.5, 1, 3), kv_bytes_per_token=100)
+    # the same with a free launch: cascade 0 + 0 + 33.5 + 8 + 3 = 44.5 < 62.5, A alone
+    assert groups_of(CascadePolicy(2, 1, cost=cheap, kv_bytes_per_token=100)) == ([0, 3], [8], 3)
+    # a step of fewer rows than min_step_rows takes nothing
+    assert groups_of(CascadePolicy(2, 1, min_step_rows=12, cost=cheap, kv_bytes_per_token=100)) is None
+
+
 def test_policy_for_mode():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert CascadePolicy.for_mode("off", cuda) is None and CascadePolicy.for_mode("auto", cpu) is None
     assert CascadePolicy.for_mode("on", cpu) == ON
-    auto = CascadePolicy.for_mode("auto", cuda)
+    auto = CascadePolicy.for_mode("auto", cuda, kv_bytes_per_token=1234)
     assert auto.min_rows >= 2 and auto.min_prefix_tokens >= 1 and auto.max_entries == 2 * auto.max_groups
+    assert auto.cost is not None and auto.kv_bytes_per_token == 1234 and auto.min_step_rows >= 2
+
+
+def test_measured_cost_takes_the_samples_of_a_rollout():
+    """STEP_COST as measured, for Qwen3-0.6B's heads and a 4,096-token context: 512 decode rows in 32 groups of
+    16 samples sharing 1,024-token prompts, each with ~256 tokens of its own, take the cascade; 64 rows of 2
+    samples sharing 16 tokens do not."""
+    programs = functools.partial(prefix_grid_programs, num_q_heads=16, num_kv_heads=8, max_ctx=4096,
+                                 device=torch.device("cpu"))  # sm_count: the H200's off the GPU
+    auto = CascadePolicy.for_mode("auto", torch.device("cuda"), 4096, programs)
+    block_size, prompt_blocks, own_blocks = 16, 64, 16
+    tables, lens = [], []
+    for g in range(32):
+        for r in range(16):
+            own = [10_000 + (g * 16 + r) * own_blocks + b for b in range(own_blocks)]
+            tables.append([g * prompt_blocks + b for b in range(prompt_blocks)] + own)
+            lens.append((prompt_blocks + own_blocks) * block_size - r)
+    found = find_prefix_groups(np.array(tables, dtype=np.int32), np.array(lens, dtype=np.int32), block_size, auto)
+    assert found is not None and found.shared_rows == 512 and len(found.group_prefix_lens) == 32
+    assert (found.group_prefix_lens == prompt_blocks * block_size).all()
+    pairs = [[p // 2 * 5, 1000 + p] for p in range(64)]  # rows 2k and 2k + 1 share one block
+    assert find_prefix_groups(np.array(pairs, dtype=np.int32), np.full(64, 17, dtype=np.int32), 16, auto) is None
 
 
 def oracle(tables, lens, block_size, policy):
