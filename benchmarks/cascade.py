@@ -249,8 +249,9 @@ def time_many_parts(generator) -> None:
             "prefix, own groups only": prefix(exact, cfg, chunks),
             "prefix, engine layout, 1 chunk": prefix(x, cfg, 1),
             "prefix, own groups, 1 chunk": prefix(exact, cfg, 1),
-            "suffix": lambda: paged_attention.launch_decode(q, kc, vc, bt, seq_lens, scale, splits, partials=partials,
-                                                            ctx_start=ctx_start, first_slot=chunks, short_contexts=True),
+            "suffix": lambda: paged_attention.launch_decode(
+                q, kc, vc, bt, seq_lens, scale, splits, partials=partials, ctx_start=ctx_start, first_slot=chunks,
+                short_contexts=True),
             "suffix, longest first": lambda: paged_attention.launch_decode(
                 q, kc, vc, bt, seq_lens, scale, splits, partials=partials, ctx_start=ctx_start, first_slot=chunks,
                 row_order=order, short_contexts=True),
@@ -259,7 +260,8 @@ def time_many_parts(generator) -> None:
         for block_m, block_n, warps, stages in MANY_PREFIX_TILES:
             tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             for n in (1, chunks):
-                parts[f"prefix {block_m}x{block_n}/{warps}/{stages}, own groups, {n} chunk(s)"] = prefix(exact, tile, n, r)
+                name = f"prefix {block_m}x{block_n}/{warps}/{stages}, own groups, {n} chunk(s)"
+                parts[name] = prefix(exact, tile, n, r)
         prefix_mb = batch // r * p * 2 * HKV * D * ESZ / 1e6
         suffix_mb = int(suffixes.sum()) * 2 * HKV * D * ESZ / 1e6
         print(f"\nbatch {batch}, groups of {r} sharing {p}, own 1-{own}: plain {t_plain:.1f} us, op {t_op:.1f} us; "
@@ -300,7 +302,8 @@ def fit_step_cost(path: str, entries: int) -> StepCost:
     --groups run saved in path, whose static group buffers held `entries` groups (the prefix pass's programs
     count them); prints it with each path's worst and median relative error, and how often
     the fitted pair picks the faster path of the grid's points (and the time lost where it does not)."""
-    lines = [line.strip().split(",")[1:] for line in Path(path).read_text().splitlines() if line.startswith("fit,")]
+    lines = [line.strip().split(",")[1:] for line in Path(path).read_text().splitlines()
+             if line.startswith("fit,")]
     rows = [dict(zip(FIT_FIELDS, map(float, line))) for line in lines if line[0] != "batch"]
     groups = np.array([r["group_prefix_tokens"] / r["prefix"] for r in rows])
     batch = np.array([r["batch"] for r in rows])
@@ -320,7 +323,9 @@ def fit_step_cost(path: str, entries: int) -> StepCost:
     for name, x, c, t in (("plain", x_plain, c_plain, plain_us), ("cascade", x_cascade, c_cascade, cascade_us)):
         err = np.abs(x @ c - t) / t
         print(f"{name}: worst relative error {err.max():.1%}, median {np.median(err):.1%} over {len(t)} points")
-    picks = x_cascade @ c_cascade < x_plain @ c_plain
+    picks = np.array([cost.cascade_pays(int(r["batch"]), int(r["own_tokens"] + r["rows"] * r["group_prefix_tokens"]),
+                                        np.full(int(g), int(r["rows"])), np.full(int(g), int(r["prefix"])),
+                                        cost.kv_bytes_per_token, int(p)) for r, g, p in zip(rows, groups, programs)])
     best = np.minimum(plain_us, cascade_us)
     taken = np.where(picks, cascade_us, plain_us)
     print(f"the fit picks the faster path at {(taken == best).sum()} of {len(best)} points; it loses "

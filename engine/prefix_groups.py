@@ -148,11 +148,13 @@ def find_prefix_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_siz
         best = np.argsort(-(ends - starts - 1) * prefixes, kind="stable")[:policy.max_groups]
         starts, ends, prefixes = (x[np.sort(best)] for x in (starts, ends, prefixes))
     if policy.cost is not None:
-        programs = policy.prefix_programs(n, num_groups=policy.max_entries) if policy.prefix_programs else 0
         pays = policy.cost.groups_that_pay(ends - starts, prefixes, policy.kv_bytes_per_token)
         starts, ends, prefixes = starts[pays], ends[pays], prefixes[pays]
-        if starts.size and not policy.cost.cascade_pays(n, int(seq_lens.sum()), ends - starts, prefixes,
-                                                        policy.kv_bytes_per_token, programs):
+        if starts.size == 0:
+            return None
+        programs = policy.prefix_programs(n, num_groups=policy.max_entries) if policy.prefix_programs else 0
+        if not policy.cost.cascade_pays(n, int(seq_lens.sum()), ends - starts, prefixes,
+                                        policy.kv_bytes_per_token, programs):
             return None
     if starts.size == 0:
         return None
