@@ -3,26 +3,20 @@
 Qwen3-0.6B heads (16 q, 8 kv, head_dim 128), bf16, block_size 16. Every row has a 2048-token prefix
 shared with the other rows of its group (1 or 8 groups) and its own suffix (16, 128 or 512 tokens, or
 uniform in 16-512). For batch 64 and 256 it times, as CUDA-graph replays (do_bench medians), plain
-paged_attention_decode and ops.cascade_attention_decode, and prints for each the K/V bytes it must
-read (plain: every row's whole context; cascade: each group's prefix once plus the suffixes), the
-float32 partials the cascade writes and reads back, the time, and that K/V read's share of the
-4.26 TB/s device copy; the two outputs must agree (relative error < 1e-2, else exit 1).
-A last line times the cascade op on a batch without groups (what a step without sharing would pay
-if it did not take the plain path). --sweep also times, at batch 512 (shared_prefix's full steps), prefix
-tile configs x forced prefix chunk counts, then decode kernel configs for the suffix pass.
-
---parts times the op's three kernels alone at 256 and 512 rows sharing one prefix: the prefix pass, the
-merge, and the suffix pass (the decode kernel from each row's context start) at several decode tiles, with
-the suffix K/V's share of the copy speed; then the prefix pass at several tiles x forced chunk counts.
+paged_attention_decode and ops.cascade_attention_decode (with its plan made beforehand, as the engine
+does), and prints for each the K/V bytes it must read (plain: every row's whole context; cascade: each
+group's prefix once plus the suffixes), the float32 partials the cascade writes and reads back, the time,
+and that K/V read's share of the 4.26 TB/s device copy; the two outputs must agree (relative error < 1e-2,
+else exit 1). A last line times the cascade op on a batch without groups (what a step without sharing
+would pay if it did not take the plain path).
 
 --groups times what the engine's decode graphs run: plain decode (rows longest first) against the cascade
 op with its groups padded to the engine's static size (empty groups, engine/cuda_graphs.copy_groups), on
 batches of 64-512 rows, all or half of them in groups of 2-16 rows sharing 128-1,536 tokens, each row with
 its own 1-64 or 1-512 tokens, and prints one CSV line a point: the data
 that engine/prefix_groups.py's cost model is fitted to; --fit CSV (on any machine) fits StepCost to it.
---many times the op's parts (prefix pass at its tile and at others, in the engine's layout and with only the
-batch's own groups, the suffix pass, the merge) on batches of many small groups, such as the n samples of
-prompts.
+--many times the op's parts (the prefix pass at its tile and at the MANY_PREFIX_TILES, the suffix pass, the
+merge) on batches of many small groups, such as the n samples of prompts, and of one large group.
 Without CUDA it prints a message and exits 0.
 """
 import argparse
@@ -46,19 +40,11 @@ from engine.prefix_groups import MAX_CASCADE_GROUPS, CascadePolicy, StepCost  # 
 from ops import cascade, paged_attention  # noqa: E402
 
 HQ, HKV, D, BS, PREFIX = 16, 8, 128, 16, 2048
-SWEEP_SUFFIX = [(64, 4, 3), (32, 4, 3), (32, 4, 4), (32, 2, 3), (64, 4, 2), (16, 2, 4), (128, 4, 2)]
-PARTS_SUFFIX = [(64, 4, 3), (64, 4, 1), (64, 2, 2), (32, 4, 1), (32, 2, 1), (32, 4, 2), (32, 1, 2), (16, 1, 1),
-                (16, 2, 2), (16, 4, 3)]
-PARTS_PREFIX = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 8, 4), (128, 32, 4, 4), (64, 64, 4, 3),
-                (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3), (256, 64, 16, 3), (256, 128, 16, 2), (256, 64, 8, 3),
-                (256, 32, 8, 3)]
-PARTS_CHUNKS = (1, 2, 3, 5, 8)
-SWEEP_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)]
 DT = torch.bfloat16
 ESZ = 2
 MAX_MODEL_LEN = 4096  # conf/model/qwen3-0.6b.yaml: the engine's graphs see block tables this wide
 FIT_FIELDS = ("batch", "rows", "prefix", "own_max", "shared_share", "own_tokens", "group_prefix_tokens",
-              "repeated_tokens", "plain_us", "cascade_us")
+              "repeated_tokens", "items", "plain_us", "cascade_us")
 GROUPS_BATCHES = (64, 128, 256, 512)
 GROUPS_ROWS = (2, 4, 8, 16)
 GROUPS_PREFIXES = (128, 512, 1024, 1536)
@@ -83,7 +69,7 @@ def make_batch(group_sizes, prefix, suffixes, generator, dev="cuda"):
         next_block += own_blocks[b]
     cache_shape = (num_blocks, HKV, BS, D)
     shared = [n for n in group_sizes if n >= 2]
-    return dict(
+    x = dict(
         q=torch.randn(batch, HQ, D, dtype=DT, device=dev),
         key_cache=torch.randn(cache_shape, dtype=DT, device=dev),
         value_cache=torch.randn(cache_shape, dtype=DT, device=dev),
@@ -92,9 +78,17 @@ def make_batch(group_sizes, prefix, suffixes, generator, dev="cuda"):
         cu_group_rows=torch.tensor(np.cumsum([0] + shared), dtype=torch.int32, device=dev),
         group_prefix_lens=torch.full((len(shared),), prefix, dtype=torch.int32, device=dev),
     )
+    return with_plan(x)
 
 
-def time_pair(x, num_chunks=None, longest_first=False):
+def with_plan(x):
+    """x with the op's plan of its groups (the prefix pass's work list, as the engine hands it the op)."""
+    work = cascade.PrefixPass.of(x["q"], x["key_cache"]).plan(x["cu_group_rows"].cpu().numpy(),
+                                                              x["group_prefix_lens"].cpu().numpy())
+    return {**x, "plan": torch.from_numpy(work).to(x["q"].device)}
+
+
+def time_pair(x, longest_first=False):
     """(plain us, cascade us, relative error of cascade against plain), as CUDA-graph replays. longest_first:
     plain decode starts its rows longest first, as the engine runs it."""
     plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], 1 / math.sqrt(D))
@@ -105,36 +99,33 @@ def time_pair(x, num_chunks=None, longest_first=False):
         return ops.paged_attention_decode(*plain_args, row_order=order)
 
     def cascaded():
-        return cascade.cascade_attention_decode(*plain_args, *groups, num_chunks=num_chunks)
+        return cascade.cascade_attention_decode(*plain_args, *groups, plan=x["plan"])
 
     err = ((cascaded().float() - plain().float()).norm() / plain().float().norm()).item()
     return bench(plain, graph=True) * 1e3, bench(cascaded, graph=True) * 1e3, err
 
 
-def op_partitions(x) -> tuple[int, int]:
-    """(prefix chunks, suffix splits) that ops.cascade_attention_decode picks for the batch x."""
-    q = x["q"]
-    block_q = paged_attention.query_tile(paged_attention.prefill_cfg(q, x["key_cache"]), HQ // HKV, None, True)[1]
-    max_ctx = x["block_tables"].shape[1] * BS
-    return (cascade.prefix_num_chunks(q.shape[0], HKV, block_q, max_ctx, q.device),
-            paged_attention.decode_num_splits(q.shape[0], HKV, max_ctx, q.device, balance=False))
+def suffix_splits(x) -> int:
+    """The suffix splits that ops.cascade_attention_decode picks for the batch x."""
+    return paged_attention.decode_num_splits(x["q"].shape[0], HKV, x["block_tables"].shape[1] * BS, x["q"].device,
+                                             balance=False)
 
 
-def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=None):
+def run_case(batch, num_groups, suffix_label, suffixes, generator):
     x = make_batch([batch // num_groups] * num_groups, PREFIX, suffixes, generator)
-    t_plain, t_cascade, err = time_pair(x, num_chunks)
+    t_plain, t_cascade, err = time_pair(x)
     per_token = 2 * HKV * D * ESZ  # K and V of one token
     total_tokens = int(x["seq_lens"].sum())
     suffix_tokens = total_tokens - batch * PREFIX
     plain_bytes = total_tokens * per_token + 2 * batch * HQ * D * ESZ
     cascade_bytes = (num_groups * PREFIX + suffix_tokens) * per_token + 2 * batch * HQ * D * ESZ
-    chunks, splits = op_partitions(x)
-    chunks = num_chunks or chunks
-    partial_bytes = 2 * batch * HQ * (chunks + splits) * D * 4  # written, then read by the merge
+    items, splits = int(x["plan"][0, 0]), suffix_splits(x)
+    slots = int(x["plan"][1:, 5].max())  # a row's prefix slots
+    partial_bytes = 2 * batch * HQ * (slots + splits) * D * 4  # written, then read by the merge
     pct = lambda nbytes, us: 100 * nbytes / (us * 1e-6) / COPY_BYTES_PER_S  # noqa: E731
     print(f"| {batch} | {num_groups} | {suffix_label} | {plain_bytes / 1e6:.0f} | {t_plain:.1f} | "
           f"{pct(plain_bytes, t_plain):.0f}% | {cascade_bytes / 1e6:.1f} | {partial_bytes / 1e6:.1f} | "
-          f"{chunks}/{splits} | {t_cascade:.1f} | {pct(cascade_bytes, t_cascade):.0f}% | "
+          f"{items}/{slots}/{splits} | {t_cascade:.1f} | {pct(cascade_bytes, t_cascade):.0f}% | "
           f"{t_plain / t_cascade:.1f}x | {err:.1e} |", flush=True)
     del x
     torch.cuda.empty_cache()
@@ -143,7 +134,7 @@ def run_case(batch, num_groups, suffix_label, suffixes, generator, num_chunks=No
 
 @contextmanager
 def gpu_config(table: dict, key: str = "gpu", **cfg):
-    """table[key] (a kernel's tunables in ops/paged_attention.py) is cfg inside the block."""
+    """table[key] (a kernel's tunables, e.g. ops/cascade.py's PREFIX_CFG) is cfg inside the block."""
     default, table[key] = table[key], cfg
     try:
         yield
@@ -152,124 +143,70 @@ def gpu_config(table: dict, key: str = "gpu", **cfg):
 
 
 def engine_layout(x):
-    """x as the engine's cascade graphs see it: block tables MAX_MODEL_LEN wide (the split and chunk
-    counts come from that width), the groups padded with empty ones to the static size."""
+    """x as the engine's cascade graphs see it: block tables MAX_MODEL_LEN wide (the split count comes from
+    that width), the groups padded with empty ones to the static size."""
     dev = x["q"].device
     entries = CascadePolicy.for_mode("on", dev).max_entries
     static = CascadeMetadata(torch.empty(entries + 1, dtype=torch.int32, device=dev),
-                             torch.empty(entries, dtype=torch.int32, device=dev))
-    copy_groups(static, CascadeMetadata(x["cu_group_rows"], x["group_prefix_lens"]))
+                             torch.empty(entries, dtype=torch.int32, device=dev), torch.empty_like(x["plan"]))
+    copy_groups(static, CascadeMetadata(x["cu_group_rows"], x["group_prefix_lens"], x["plan"]))
     tables = x["block_tables"]
     wide = torch.nn.functional.pad(tables, (0, MAX_MODEL_LEN // BS - tables.shape[1]), value=-1)
     return {**x, "block_tables": wide, "cu_group_rows": static.cu_group_rows,
-            "group_prefix_lens": static.group_prefix_lens}
+            "group_prefix_lens": static.group_prefix_lens, "plan": static.plan}
 
 
-def time_parts(batch, suffixes, generator):
-    """The cascade op's three kernels timed alone (CUDA-graph replays) on one group of batch rows: the
-    prefix pass, the merge, the suffix pass (the decode kernel from each row's ctx_start) at each PARTS_SUFFIX
-    tile with its K/V bytes against the copy speed, then the prefix pass at each PARTS_PREFIX tile x
-    PARTS_CHUNKS chunk count."""
-    x = make_batch([batch], PREFIX, suffixes, generator)
-    q, kc, vc, bt, seq_lens = x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"]
-    cfg = paged_attention.prefill_cfg(q, kc)
-    chunks, splits = op_partitions(x)
-    partials = paged_attention.decode_partials(q, chunks + splits)
-    ctx_start, out, scale = torch.zeros(batch, dtype=torch.int32, device=q.device), torch.empty_like(q), D ** -0.5
-
-    def prefix(tile, num_chunks, tile_partials):
-        tile_m, tile_q = paged_attention.query_tile(tile, HQ // HKV, None, True)
-        cascade._launch_prefix(q, kc, vc, bt, scale, x["cu_group_rows"], x["group_prefix_lens"], ctx_start,
-                               tile_partials, num_chunks, tile_m, tile_q, tile)
-
-    def suffix(row_order=None):
-        paged_attention.launch_decode(q, kc, vc, bt, seq_lens, scale, splits, partials=partials,
-                                      ctx_start=ctx_start, first_slot=chunks, row_order=row_order)
-
-    prefix(cfg, chunks, partials)  # sets ctx_start
-    suffix_bytes = int((seq_lens - ctx_start).sum()) * 2 * HKV * D * ESZ
-    prefix_us = bench(lambda: prefix(cfg, chunks, partials), graph=True) * 1e3
-    merge_us = bench(lambda: paged_attention.launch_reduce(partials, out, chunks + splits, ctx_start, chunks),
-                     graph=True) * 1e3
-    print(f"batch {batch}, suffixes {int(suffixes.min())}-{int(suffixes.max())}: {chunks} prefix chunks, "
-          f"{splits} suffix splits; prefix pass {prefix_us:.1f} us; merge {merge_us:.1f} us")
-    order = torch.argsort(seq_lens - ctx_start, descending=True, stable=True).to(torch.int32)
-    us = bench(lambda: suffix(order), graph=True) * 1e3
-    print(f"  suffix pass, default tile, longest first: {us:.1f} us, "
-          f"{100 * suffix_bytes / (us * 1e-6) / COPY_BYTES_PER_S:.0f}% of copy speed", flush=True)
-    for block_n, warps, stages in PARTS_SUFFIX:
-        with gpu_config(paged_attention.DECODE_CFG, "gpu_short", BLOCK_N=block_n, num_warps=warps,
-                        num_stages=stages):
-            us = bench(suffix, graph=True) * 1e3
-        print(f"  suffix pass, decode tile {block_n}, {warps} warps, {stages} stages: {us:.1f} us, "
-              f"{100 * suffix_bytes / (us * 1e-6) / COPY_BYTES_PER_S:.0f}% of copy speed", flush=True)
-    flops = 4 * batch * HQ * PREFIX * D
-    for block_m, block_n, warps, stages in PARTS_PREFIX:
-        tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        times = []
-        for n in PARTS_CHUNKS:
-            tile_partials = paged_attention.decode_partials(q, n + splits)
-            times.append(bench(lambda: prefix(tile, n, tile_partials), graph=True) * 1e3)  # noqa: B023 (timed here)
-        print(f"  prefix pass, tile {block_m} x {block_n}, {warps} warps, {stages} stages, {PARTS_CHUNKS} chunks: "
-              + " / ".join(f"{t:.1f}" for t in times) + f" us (best {flops / min(times) / 1e6:.0f} TFLOP/s)",
-              flush=True)
-
-
-MANY_CASES = ((512, 16, 1024, 512), (512, 16, 1024, 64), (256, 8, 512, 256), (64, 16, 128, 64), (64, 4, 1536, 64))
-MANY_PREFIX_TILES = ((32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2))
+MANY_CASES = ((512, 16, 1024, 512), (512, 16, 1024, 64), (256, 8, 512, 256), (64, 16, 128, 64), (64, 4, 1536, 64),
+              (512, 512, 2048, 256), (256, 256, 2048, 256))
+# (BLOCK_M, BLOCK_N, warps, stages, programs per SM)
+MANY_PREFIX_TILES = ((64, 64, 4, 2, 2), (64, 64, 4, 3, 2), (64, 128, 4, 2, 2), (64, 64, 4, 2, 3), (64, 64, 4, 2, 4),
+                     (32, 64, 4, 2, 3), (32, 128, 4, 2, 2), (128, 64, 4, 2, 2), (128, 128, 8, 3, 1), (128, 64, 8, 2, 2))
 
 
 def time_many_parts(generator) -> None:
-    """The cascade op's parts on batches of many small groups (MANY_CASES: rows, group rows, prefix, own
-    tokens up to), in the engine's layout and with only the batch's own groups, at the op's chunk count and
-    one chunk, and the prefix pass at smaller tiles (MANY_PREFIX_TILES: BLOCK_M, BLOCK_N, warps, stages)."""
+    """The cascade op's parts on batches of many small groups and of one large one (MANY_CASES: rows, group
+    rows, prefix, own tokens up to), in the engine's layout: the prefix pass at its tile and at each of
+    MANY_PREFIX_TILES (planned for that tile's programs), at PREFIX_ROUNDS 1 and 4, the suffix pass, the
+    merge."""
     for batch, r, p, own in MANY_CASES:
         suffixes = torch.randint(1, own + 1, (batch,), generator=generator)
-        exact = make_batch([r] * (batch // r), p, suffixes, generator)
-        x = engine_layout(exact)
+        x = engine_layout(make_batch([r] * (batch // r), p, suffixes, generator))
         q, kc, vc, bt, seq_lens = x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"]
-        cfg = paged_attention.prefill_cfg(q, kc)
-        chunks, splits = op_partitions(x)
-        scale = D ** -0.5
-        ctx_start, out = torch.zeros(batch, dtype=torch.int32, device=q.device), torch.empty_like(q)
+        splits, scale = suffix_splits(x), D ** -0.5
+        partials = paged_attention.decode_partials(q, cascade.PREFIX_SLOTS + splits)
+        row_prefix, out = torch.zeros(2, batch, dtype=torch.int32, device=q.device), torch.empty_like(q)
+        groups = (x["cu_group_rows"].cpu().numpy(), x["group_prefix_lens"].cpu().numpy())
 
-        def prefix(layout, tile, num_chunks, max_rows=None):
-            tile_m, tile_q = paged_attention.query_tile(tile, HQ // HKV, max_rows, True)
-            partials = paged_attention.decode_partials(q, num_chunks + splits)
-            return lambda: cascade._launch_prefix(q, kc, vc, bt, scale, layout["cu_group_rows"],
-                                                  layout["group_prefix_lens"], ctx_start, partials, num_chunks,
-                                                  tile_m, tile_q, tile)
+        def prefix():
+            """The prefix pass at the current PREFIX_CFG and PREFIX_ROUNDS, planned for them."""
+            shape, cfg = cascade.PrefixPass.of(q, kc), cascade.prefix_cfg(q, kc)
+            plan = torch.from_numpy(shape.plan(*groups)).to(q.device)
+            return lambda: cascade._launch_prefix(q, kc, vc, bt, scale, plan, row_prefix, partials, shape.programs,
+                                                  cfg)
 
         t_plain, t_op, _ = time_pair(x, longest_first=True)
-        partials = paged_attention.decode_partials(q, chunks + splits)
-        prefix(x, cfg, chunks)()  # sets ctx_start
-        order = torch.argsort(seq_lens - ctx_start, descending=True, stable=True).to(torch.int32)
-        parts = {
-            "prefix, engine layout": prefix(x, cfg, chunks),
-            "prefix, own groups only": prefix(exact, cfg, chunks),
-            "prefix, engine layout, 1 chunk": prefix(x, cfg, 1),
-            "prefix, own groups, 1 chunk": prefix(exact, cfg, 1),
-            "suffix": lambda: paged_attention.launch_decode(
-                q, kc, vc, bt, seq_lens, scale, splits, partials=partials, ctx_start=ctx_start, first_slot=chunks,
-                short_contexts=True),
-            "suffix, longest first": lambda: paged_attention.launch_decode(
-                q, kc, vc, bt, seq_lens, scale, splits, partials=partials, ctx_start=ctx_start, first_slot=chunks,
-                row_order=order, short_contexts=True),
-            "merge": lambda: paged_attention.launch_reduce(partials, out, chunks + splits, ctx_start, chunks),
-        }
-        for block_m, block_n, warps, stages in MANY_PREFIX_TILES:
-            tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-            for n in (1, chunks):
-                name = f"prefix {block_m}x{block_n}/{warps}/{stages}, own groups, {n} chunk(s)"
-                parts[name] = prefix(exact, tile, n, r)
+        prefix()()  # sets row_prefix
+        parts = {f"prefix, {cascade.PREFIX_CFG['gpu']}, {int(x['plan'][0, 0])} items": prefix()}
+        for block_m, block_n, warps, stages, per_sm in MANY_PREFIX_TILES:
+            with gpu_config(cascade.PREFIX_CFG, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                            num_stages=stages, programs_per_sm=per_sm):
+                for rounds in (1, 4):
+                    cascade.PREFIX_ROUNDS, default_rounds = rounds, cascade.PREFIX_ROUNDS
+                    parts[f"prefix {block_m}x{block_n}/{warps}/{stages}, {per_sm} a SM, rounds {rounds}"] = prefix()
+                    cascade.PREFIX_ROUNDS = default_rounds
+        parts["suffix"] = lambda: paged_attention.launch_decode(
+            q, kc, vc, bt, seq_lens, scale, splits, partials=partials, ctx_start=row_prefix[0],
+            first_slot=cascade.PREFIX_SLOTS, short_contexts=True)
+        parts["merge"] = lambda: paged_attention.launch_reduce(partials, out, cascade.PREFIX_SLOTS + splits,
+                                                               row_prefix[1], cascade.PREFIX_SLOTS)
         prefix_mb = batch // r * p * 2 * HKV * D * ESZ / 1e6
         suffix_mb = int(suffixes.sum()) * 2 * HKV * D * ESZ / 1e6
         print(f"\nbatch {batch}, groups of {r} sharing {p}, own 1-{own}: plain {t_plain:.1f} us, op {t_op:.1f} us; "
-              f"{chunks} chunks, {splits} splits; K/V MB prefix {prefix_mb:.0f}, own {suffix_mb:.0f} "
+              f"{splits} splits; K/V MB prefix {prefix_mb:.0f}, own {suffix_mb:.0f} "
               f"(ideal {(prefix_mb + suffix_mb) / COPY_BYTES_PER_S * 1e12:.1f} us)")
         for name, fn in parts.items():
             print(f"  {name}: {bench(fn, graph=True) * 1e3:.1f} us", flush=True)
-        del x, exact
+        del x
         torch.cuda.empty_cache()
 
 
@@ -291,16 +228,15 @@ def groups_grid(generator) -> float:
         worst = max(worst, err)
         own_tokens = int(suffixes.sum()) + (batch - r * groups) * p  # what no other row shares
         print(f"fit,{batch},{r},{p},{own},{share},{own_tokens},{groups * p},{(r - 1) * groups * p},"
-              f"{t_plain:.2f},{t_cascade:.2f}", flush=True)
+              f"{int(x['plan'][0, 0])},{t_plain:.2f},{t_cascade:.2f}", flush=True)
         del x
         torch.cuda.empty_cache()
     return worst
 
 
-def fit_step_cost(path: str, entries: int) -> StepCost:
+def fit_step_cost(path: str) -> StepCost:
     """engine/prefix_groups.StepCost fitted (least squares, each path on its own) to the `fit` lines of a
-    --groups run saved in path, whose static group buffers held `entries` groups (the prefix pass's programs
-    count them); prints it with each path's worst and median relative error, and how often
+    --groups run saved in path; prints it with each path's worst and median relative error, and how often
     the fitted pair picks the faster path of the grid's points (and the time lost where it does not)."""
     lines = [line.strip().split(",")[1:] for line in Path(path).read_text().splitlines()
              if line.startswith("fit,")]
@@ -311,11 +247,10 @@ def fit_step_cost(path: str, entries: int) -> StepCost:
     prefix = np.array([r["group_prefix_tokens"] for r in rows])
     repeated = np.array([r["repeated_tokens"] for r in rows])
     plain_us, cascade_us = np.array([r["plain_us"] for r in rows]), np.array([r["cascade_us"] for r in rows])
-    h200 = torch.device("cpu")  # off the GPU, sm_count answers the H200's
-    programs = np.array([cascade.prefix_grid_programs(int(b), HQ, HKV, MAX_MODEL_LEN, entries, h200) for b in batch])
+    items = np.array([r["items"] for r in rows])
     ones = np.ones_like(batch)
     x_plain = np.stack([ones, batch, own + prefix, repeated], axis=1)
-    x_cascade = np.stack([ones, programs, own, prefix, groups], axis=1)
+    x_cascade = np.stack([ones, items, own, prefix, groups], axis=1)
     c_plain = np.linalg.lstsq(x_plain, plain_us, rcond=None)[0]
     c_cascade = np.linalg.lstsq(x_cascade, cascade_us, rcond=None)[0]
     cost = StepCost(tuple(round(float(c), 6) for c in c_plain), tuple(round(float(c), 6) for c in c_cascade),
@@ -325,7 +260,7 @@ def fit_step_cost(path: str, entries: int) -> StepCost:
         print(f"{name}: worst relative error {err.max():.1%}, median {np.median(err):.1%} over {len(t)} points")
     picks = np.array([cost.cascade_pays(int(r["batch"]), int(r["own_tokens"] + r["rows"] * r["group_prefix_tokens"]),
                                         np.full(int(g), int(r["rows"])), np.full(int(g), int(r["prefix"])),
-                                        cost.kv_bytes_per_token, int(p)) for r, g, p in zip(rows, groups, programs)])
+                                        cost.kv_bytes_per_token, int(n)) for r, g, n in zip(rows, groups, items)])
     best = np.minimum(plain_us, cascade_us)
     taken = np.where(picks, cascade_us, plain_us)
     print(f"the fit picks the faster path at {(taken == best).sum()} of {len(best)} points; it loses "
@@ -337,18 +272,13 @@ def fit_step_cost(path: str, entries: int) -> StepCost:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true", help="also time forced prefix chunk counts")
-    ap.add_argument("--parts", action="store_true",
-                    help="only the op's three kernels alone, with suffix-pass tiles, at 256 and 512 rows")
     ap.add_argument("--groups", action="store_true",
                     help="only the grid of many groups (engine/prefix_groups.py's cost model), as CSV")
     ap.add_argument("--many", action="store_true", help="only the op's parts on batches of many small groups")
     ap.add_argument("--fit", metavar="CSV", help="fit engine/prefix_groups.StepCost to a saved --groups run (no GPU)")
-    ap.add_argument("--entries", type=int, default=CascadePolicy.for_mode("on", torch.device("cpu")).max_entries,
-                    help="with --fit: the static group count of the run that wrote the CSV (default: this tree's)")
     args = ap.parse_args()
     if args.fit:
-        fit_step_cost(args.fit, args.entries)
+        fit_step_cost(args.fit)
         return 0
     if not torch.cuda.is_available():
         print("benchmarks/cascade.py needs a CUDA GPU; nothing to time here.")
@@ -356,10 +286,6 @@ def main():
     t0 = time.time()
     generator = torch.Generator().manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}; bf16, Hq {HQ}, Hkv {HKV}, D {D}, block {BS}")
-    if args.parts:
-        for batch, lo, hi in ((512, 16, 256), (512, 16, 512), (256, 64, 512)):
-            time_parts(batch, torch.randint(lo, hi + 1, (batch,), generator=generator), generator)
-        return 0
     if args.many:
         time_many_parts(generator)
         return 0
@@ -369,7 +295,7 @@ def main():
         return 0 if worst < 1e-2 else 1
     print(f"shared prefix {PREFIX}; CUDA-graph replays; % = K/V bytes read / time / {COPY_BYTES_PER_S / 1e12:.2f} TB/s")
     hdr = ("| batch | groups | suffix | plain MB | plain us | plain % | cascade K/V MB | partials MB | "
-           "chunks/splits | cascade us | cascade % | speed-up | rel err |")
+           "items/chunks/splits | cascade us | cascade % | speed-up | rel err |")
     print(hdr + "\n" + "|---" * (hdr.count("|") - 1) + "|")
     worst = 0.0
     for batch in (64, 256):
@@ -378,21 +304,6 @@ def main():
                 lo, _, hi = label.partition("-")
                 suffixes = torch.randint(int(lo), int(hi or lo) + 1, (batch,), generator=generator)
                 worst = max(worst, run_case(batch, num_groups, label, suffixes, generator))
-    if args.sweep:
-        print("\nbatch 512, 1 group, suffix 16-512: prefix tile (BLOCK_M, BLOCK_N, warps, stages) x chunks:")
-        suffixes = torch.randint(16, 513, (512,), generator=generator)
-        for block_m, block_n, warps, stages in SWEEP_TILES:
-            print(f"tile {block_m} x {block_n}, {warps} warps, {stages} stages")
-            with gpu_config(paged_attention.PREFILL_CFG, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                            num_stages=stages):
-                for chunks in (1, 2, 3, 5, 8):
-                    run_case(512, 1, "16-512", suffixes, generator, num_chunks=chunks)
-        print("\nthe same batch, default prefix tile: suffix pass (decode kernel) BLOCK_N x warps x stages:")
-        for block_n, warps, stages in SWEEP_SUFFIX:
-            print(f"decode tile {block_n}, {warps} warps, {stages} stages")
-            with gpu_config(paged_attention.DECODE_CFG, "gpu_short", BLOCK_N=block_n, num_warps=warps,
-                            num_stages=stages):
-                run_case(512, 1, "16-512", suffixes, generator)
     # no groups: the cascade op on a batch with nothing shared (the engine should call plain decode)
     x = make_batch([256], PREFIX, torch.full((256,), 16), generator)
     plain_args = (x["q"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], 1 / math.sqrt(D))

@@ -46,7 +46,7 @@ for phase in ("mixed", "decode"):
         print(f"{phase} fit: ms = {c[0]:.2f} + {c[1]:.4f}/decode row + {c[2]:.5f}/prefill token + {c[3]:.2f}/M stored tokens")
 # decode time by batch size, against reading each step's K/V once at the H200's copy speed
 kv_s = lambda r: r["logical_tokens"] * summary["kv_budget_bytes"] / summary["kv_slots"] / 4.26e12
-edges = [1, 9, 17, 33, 65, 129, 193, 257]
+edges = [1, 9, 17, 33, 65, 129, 193, 257, 321, 385, 449, 513]
 print("seqs      steps  time_s  kv_floor_s  ms/step  excess_ms/step")
 for lo, hi in zip(edges, edges[1:]):
     sel = [r for r in rows if r["phase"] == "decode" and lo <= r["seqs"] < hi]

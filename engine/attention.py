@@ -36,10 +36,13 @@ class PrefillMetadata:
 class CascadeMetadata:
     """Groups of decode rows that share a prefix (int32, on the model's device; the layout of
     ops.cascade_attention_decode): rows cu_group_rows[g]:cu_group_rows[g + 1] ([G + 1]) share their
-    first group_prefix_lens[g] ([G]) tokens; rows after cu_group_rows[G] share nothing."""
+    first group_prefix_lens[g] ([G]) tokens; rows after cu_group_rows[G] share nothing. plan: the op's
+    prefix pass's work list ([1 + W, ops.cascade.WORK_FIELDS], the first rows of a larger buffer in a
+    graph), None where the op plans itself (the CPU's reference needs none)."""
 
     cu_group_rows: torch.Tensor
     group_prefix_lens: torch.Tensor
+    plan: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,9 +99,10 @@ class PagedAttention(nn.Module):
         if meta.cascade is None:
             ops.paged_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
                                        row_order=meta.decode_order, out=out)
-        else:  # no max_group_rows hint: a row tile per group size would be one more kernel to compile mid-run
+        else:
             ops.cascade_attention_decode(q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
-                                         meta.cascade.cu_group_rows, meta.cascade.group_prefix_lens, out=out)
+                                         meta.cascade.cu_group_rows, meta.cascade.group_prefix_lens,
+                                         plan=meta.cascade.plan, out=out)
 
     def _prefill(self, q, key_cache, value_cache, chunks: PrefillMetadata, out):
         # no max_seqlen_q hint: a tile size per chunk length would be one more kernel to compile mid-run

@@ -7,7 +7,8 @@ decode_order) and replays that bucket's graph. block_tables are as wide as max_m
 graph never depends on the batch's current lengths. With a CascadePolicy, buckets of at least its
 min_step_rows also get a cascade graph, for steps whose decode rows share prefixes: its static group buffers
 hold max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
-prefix 0), and the bucket's padding rows come after every group.
+prefix 0), its static plan the prefix pass's work list in its first rows (the op reads only as many as the
+first counts), and the bucket's padding rows come after every group.
 
 A step with prompt chunks has lengths, chunks and groups of its own, so its attention (the kernels'
 grids and metadata) cannot be a graph's; everything else in it depends only on its token count. The
@@ -24,6 +25,7 @@ import torch
 from engine.attention import AttentionMetadata, CascadeMetadata
 from engine.models.decoder import ForwardState
 from engine.prefix_groups import CascadePolicy
+from ops.cascade import WORK_FIELDS
 
 
 class StaticInputs:
@@ -55,13 +57,14 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 def copy_groups(static: CascadeMetadata, groups: CascadeMetadata) -> None:
-    """Write a step's G groups into static buffers of E >= G groups, padded with empty groups (device
-    copies only)."""
+    """Write a step's G groups into static buffers of E >= G groups, padded with empty groups, and its
+    plan into the first rows of the static plan, whose first row counts the items (device copies only)."""
     num_groups, cu = groups.group_prefix_lens.shape[0], static.cu_group_rows
     cu[:num_groups + 1].copy_(groups.cu_group_rows, non_blocking=True)
     cu[num_groups + 1:].copy_(groups.cu_group_rows[-1:].expand(cu.shape[0] - num_groups - 1))
     static.group_prefix_lens[:num_groups].copy_(groups.group_prefix_lens, non_blocking=True)
     static.group_prefix_lens[num_groups:].zero_()
+    static.plan[:groups.plan.shape[0]].copy_(groups.plan, non_blocking=True)
 
 
 class DecodeGraphs:
@@ -78,8 +81,11 @@ class DecodeGraphs:
         keys = [(size, False) for size in self.buckets]
         if cascade is not None:
             entries = cascade.max_entries
-            self.groups = CascadeMetadata(torch.zeros(entries + 1, dtype=torch.int32, device=device),
-                                          torch.zeros(entries, dtype=torch.int32, device=device))
+            self.groups = CascadeMetadata(
+                torch.zeros(entries + 1, dtype=torch.int32, device=device),
+                torch.zeros(entries, dtype=torch.int32, device=device),
+                torch.zeros(1 + cascade.prefix_pass.max_items(max_batch, entries), WORK_FIELDS, dtype=torch.int32,
+                            device=device))
             keys += [(size, True) for size in self.buckets if size >= cascade.min_step_rows]
         self.graphs, self.outputs = {}, {}
         pool = None

@@ -30,7 +30,7 @@ from engine.stats import StatsRecorder, snapshot
 from engine.structured import GrammarCompiler, StructuredOutputsParams
 from engine.tokenizer import load_tokenizer
 from engine.watchdog import stalled, step_deadline_s, wait_until
-from ops.cascade import prefix_grid_programs
+from ops.cascade import PrefixPass
 
 log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -141,11 +141,8 @@ class LLMEngine:
         for future in compiling:  # before the graphs' capture, which takes the whole device
             future.result()
         spec = self.model.kv_cache_spec
-        cascade = CascadePolicy.for_mode(
-            cfg.cache.cascade_attention, self.device, per_block // (self.block_size * spec.num_layers),
-            functools.partial(prefix_grid_programs, num_q_heads=self.model.arch.num_attention_heads,
-                              num_kv_heads=spec.num_kv_heads, max_ctx=max_blocks_per_seq * self.block_size,
-                              device=self.device))
+        cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device,
+                                         per_block // (self.block_size * spec.num_layers), self._prefix_pass(kv_dtype))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
         eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
         graph_batch = 0 if eager else max_num_seqs
@@ -168,6 +165,19 @@ class LLMEngine:
         gc.collect()  # start-up's objects leave the young generations now, not in the first run's intake
         laps.lap("warm_up")
         self.startup_s = {"before_engine": started_s, **laps.phases}
+
+    def _prefix_pass(self, kv_dtype: torch.dtype) -> PrefixPass | None:
+        """How the cascade's Triton prefix pass plans a step on this model's heads (None on the CPU, whose
+        reference needs no plan); per rank under tensor parallelism the plan is the whole model's, which
+        only changes its balance."""
+        if self.device.type != "cuda":
+            return None
+        spec = self.model.kv_cache_spec
+        group = self.model.arch.num_attention_heads // spec.num_kv_heads
+        key_cache_like = torch.empty(1, spec.num_kv_heads, self.block_size, spec.head_dim, dtype=kv_dtype,
+                                     device=self.device)
+        q_like = torch.empty(1, group * spec.num_kv_heads, spec.head_dim, dtype=self.dtype, device=self.device)
+        return PrefixPass.of(q_like, key_cache_like)
 
     def _warm_up(self) -> None:
         """A small run of the real loop before the timed one: a prefill step at the full token budget,

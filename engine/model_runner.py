@@ -95,7 +95,8 @@ class ModelRunner:
         self.cascade_rows = 0 if groups is None else groups.shared_rows
         if groups is None:
             return None
-        return CascadeMetadata(self._to_device(groups.cu_group_rows), self._to_device(groups.group_prefix_lens))
+        return CascadeMetadata(self._to_device(groups.cu_group_rows), self._to_device(groups.group_prefix_lens),
+                               None if groups.plan is None else self._to_device(groups.plan))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         if meta.prefill is None:

@@ -8,17 +8,18 @@ number of leading block-table columns equal across all its rows, counted only wi
 member's full blocks, times block_size. CascadePolicy decides which candidates take the cascade path.
 """
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
+
+from ops.cascade import PrefixPass
 
 # cache.cascade_attention=auto weighs each step with StepCost, on decode steps of at least CASCADE_MIN_ROWS rows
 # (the buckets that get a cascade graph: fewer rows rarely pay for the op's extra kernels, and each graph costs
 # start-up).
 CASCADE_MIN_ROWS = 64
 # Sharing groups per step (those that save the most K/V reads). The graphs' static group buffers hold twice as
-# many, and every entry adds programs to the prefix pass's grid whether or not it holds a group.
+# many.
 MAX_CASCADE_GROUPS = 32
 
 
@@ -26,11 +27,12 @@ MAX_CASCADE_GROUPS = 32
 class StepCost:
     """One layer's decode attention, in microseconds, as linear in what a step's rows read:
         plain   = plain[0] + plain[1] rows + plain[2] unique tokens + plain[3] repeated tokens
-        cascade = cascade[0] + cascade[1] prefix-pass programs + cascade[2] own tokens + cascade[3] prefix tokens
+        cascade = cascade[0] + cascade[1] prefix-pass items + cascade[2] own tokens + cascade[3] prefix tokens
                   + cascade[4] groups
     A group of r rows sharing p tokens has p prefix tokens, which plain decode reads r times (r - 1 of them
-    repeated, partly from L2); own tokens are every row's others. The prefix pass's programs are its grid's
-    (ops.cascade.prefix_grid_programs), most of which find nothing to do on steps of few groups. Token terms
+    repeated, partly from L2); own tokens are every row's others. The prefix pass's items are its plan's
+    (ops.cascade.PrefixPass.num_items: row tiles x prefix chunks, each a query tile loaded and a partial
+    written per kv head). Token terms
     are for kv_bytes_per_token bytes of K and V a token and a layer; a model with other heads scales them by
     its own bytes."""
 
@@ -46,23 +48,25 @@ class StepCost:
         return scale * (own * rows - prefix) * prefixes > group
 
     def cascade_pays(self, num_rows: int, tokens: int, rows: np.ndarray, prefixes: np.ndarray,
-                     kv_bytes_per_token: int, prefix_programs: int) -> bool:
-        """Whether the cascade with these groups, whose prefix pass launches prefix_programs programs, beats
-        plain decode on a step of num_rows rows reading tokens K/V tokens in all (each row's whole context)."""
+                     kv_bytes_per_token: int, prefix_items: int) -> bool:
+        """Whether the cascade with these groups, whose prefix pass has prefix_items items, beats plain
+        decode on a step of num_rows rows reading tokens K/V tokens in all (each row's whole context)."""
         scale = kv_bytes_per_token / self.kv_bytes_per_token
         grouped, prefix_tokens = int((rows * prefixes).sum()), int(prefixes.sum())
         repeated = grouped - prefix_tokens
         plain = self.plain[0] + self.plain[1] * num_rows + scale * (
             self.plain[2] * (tokens - repeated) + self.plain[3] * repeated)
-        cascade = self.cascade[0] + self.cascade[1] * prefix_programs + scale * (
+        cascade = self.cascade[0] + self.cascade[1] * prefix_items + scale * (
             self.cascade[2] * (tokens - grouped) + self.cascade[3] * prefix_tokens) + self.cascade[4] * rows.size
         return cascade < plain
 
 
-# Fitted by benchmarks/cascade.py --fit to its --groups grid on the H200 (benchmarks/NOTES.md, session 28):
-# Qwen3-0.6B's heads (16 q, 8 kv of 128, bfloat16: 4,096 bytes of K and V a token and a layer).
-STEP_COST = StepCost(plain=(12.404063, 0.049146, 0.00088, 0.00067),
-                     cascade=(22.432304, 0.007538, 0.000917, 0.001927, 0.778133), kv_bytes_per_token=4096)
+# Fitted by benchmarks/cascade.py --fit to its --groups grid on the H200 (benchmarks/NOTES.md, session 29):
+# Qwen3-0.6B's heads (16 q, 8 kv of 128, bfloat16: 4,096 bytes of K and V a token and a layer). The groups
+# term came out below zero (it shares its work with the items'): every candidate then pays for itself, and
+# the step's own test decides.
+STEP_COST = StepCost(plain=(11.47036, 0.043237, 0.000885, 0.000695),
+                     cascade=(43.110948, 0.20869, 0.000971, 0.001115, -0.558342), kv_bytes_per_token=4096)
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,8 @@ class CascadePolicy:
     >= min_rows rows whose prefix is >= min_prefix_tokens, at most max_groups a step (the largest
     (rows - 1) * prefix: K/V tokens not read); with a cost, only the groups that shorten the cascade, and
     only where it is predicted to beat plain decode. kv_bytes_per_token: the model's K and V a token and a
-    layer; prefix_programs(rows, num_groups=): the prefix pass's grid for a step of that many rows and the
-    graphs' static group count."""
+    layer; prefix_pass: how the Triton op plans its prefix pass (None: the CPU's reference, which needs no
+    plan)."""
 
     min_rows: int
     min_prefix_tokens: int
@@ -80,20 +84,19 @@ class CascadePolicy:
     min_step_rows: int = 2
     cost: StepCost | None = None
     kv_bytes_per_token: int = 0
-    prefix_programs: Callable[..., int] | None = None
+    prefix_pass: PrefixPass | None = None
 
     @classmethod
     def for_mode(cls, mode: str, device: torch.device, kv_bytes_per_token: int = 0,
-                 prefix_programs: Callable[..., int] | None = None) -> "CascadePolicy | None":
+                 prefix_pass: PrefixPass | None = None) -> "CascadePolicy | None":
         """cache.cascade_attention: off never; on every group of >= 2 rows sharing >= 1 block (the CPU runs
         the op's torch reference); auto only on CUDA, where STEP_COST predicts a gain. None: never."""
         if mode == "off" or (mode == "auto" and device.type != "cuda"):
             return None
         if mode == "on":
-            return cls(2, 1)
+            return cls(2, 1, prefix_pass=prefix_pass)
         return cls(2, 1, min_step_rows=CASCADE_MIN_ROWS, cost=STEP_COST,
-                   kv_bytes_per_token=kv_bytes_per_token or STEP_COST.kv_bytes_per_token,
-                   prefix_programs=prefix_programs)
+                   kv_bytes_per_token=kv_bytes_per_token or STEP_COST.kv_bytes_per_token, prefix_pass=prefix_pass)
 
     @property
     def max_entries(self) -> int:
@@ -106,11 +109,13 @@ class CascadePolicy:
 class PrefixGroups:
     """The op's group layout: rows cu_group_rows[g]:cu_group_rows[g + 1] (int32 [G + 1], from 0,
     increasing) share their first group_prefix_lens[g] tokens (int32 [G]); rows after cu_group_rows[G]
-    share nothing. shared_rows: the rows of the groups with a prefix > 0."""
+    share nothing. shared_rows: the rows of the groups with a prefix > 0. plan: the op's prefix pass's
+    work list (PrefixPass.plan), None without a policy's prefix_pass."""
 
     cu_group_rows: np.ndarray
     group_prefix_lens: np.ndarray
     shared_rows: int
+    plan: np.ndarray | None = None
 
 
 def find_prefix_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int,
@@ -152,13 +157,16 @@ def find_prefix_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_siz
         starts, ends, prefixes = starts[pays], ends[pays], prefixes[pays]
         if starts.size == 0:
             return None
-        programs = policy.prefix_programs(n, num_groups=policy.max_entries) if policy.prefix_programs else 0
+        items = policy.prefix_pass.num_items(ends - starts, prefixes) if policy.prefix_pass else 0
         if not policy.cost.cascade_pays(n, int(seq_lens.sum()), ends - starts, prefixes,
-                                        policy.kv_bytes_per_token, programs):
+                                        policy.kv_bytes_per_token, items):
             return None
     if starts.size == 0:
         return None
-    return _layout(starts, ends, prefixes)
+    groups = _layout(starts, ends, prefixes)
+    if policy.prefix_pass is not None:
+        groups.plan = policy.prefix_pass.plan(groups.cu_group_rows, groups.group_prefix_lens)
+    return groups
 
 
 def _layout(starts: np.ndarray, ends: np.ndarray, prefixes: np.ndarray) -> PrefixGroups:

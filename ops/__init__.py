@@ -54,21 +54,26 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, sc
 
 
 def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
-                             group_prefix_lens, backend=None, *, max_group_rows=None, out=None):
+                             group_prefix_lens, backend=None, *, plan=None, out=None):
     """paged_attention_decode for rows in groups that share a prefix: rows cu_group_rows[g]:
     cu_group_rows[g+1] (int32 [G+1], from 0, nondecreasing, at most B; later rows share nothing) share
     their first group_prefix_lens[g] (int32 [G], <= each member's seq_len) tokens, in the same physical
-    blocks; the prefix K/V is read once per group (per row tile), not once per row. max_group_rows
-    (optional): a CPU-side bound of the rows per group; it only picks the Triton row tile."""
+    blocks; the prefix K/V is read once per group (per row tile), not once per row. plan
+    (optional): the Triton prefix pass's work list on q's device (ops.cascade.PrefixPass.plan); without it
+    the Triton backend plans from the groups, reading them on the host (what a CUDA graph cannot hold)."""
     if cu_group_rows.dim() != 1 or group_prefix_lens.shape != (cu_group_rows.shape[0] - 1,):
         raise ValueError(f"cu_group_rows must be [G+1] and group_prefix_lens [G]; got "
                          f"{tuple(cu_group_rows.shape)} and {tuple(group_prefix_lens.shape)}")
     if cu_group_rows.dtype != torch.int32 or group_prefix_lens.dtype != torch.int32:
         raise ValueError(f"cu_group_rows and group_prefix_lens must be int32; got {cu_group_rows.dtype} "
                          f"and {group_prefix_lens.dtype}")
-    impl = importlib.import_module("ops.cascade") if _use_triton(backend, q) else paged_attention_reference
-    return impl.cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
-                                         group_prefix_lens, max_group_rows=max_group_rows, out=_checked_out(out, q))
+    if _use_triton(backend, q):
+        return importlib.import_module("ops.cascade").cascade_attention_decode(
+            q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows, group_prefix_lens, plan=plan,
+            out=_checked_out(out, q))
+    return paged_attention_reference.cascade_attention_decode(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows, group_prefix_lens,
+        out=_checked_out(out, q))
 
 
 def paged_attention_prefill(q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, backend=None, *,

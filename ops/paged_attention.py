@@ -306,7 +306,7 @@ def store_partial(part_o_ptr, part_lse_ptr, rows, slot, acc, m_i, l_i, offs_d, r
 
 @triton.jit(do_not_specialize=["num_slots", "num_prefix_slots"])
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, ctx_start_ptr, out_ptr, num_slots, num_prefix_slots, num_q_heads,
+    part_o_ptr, part_lse_ptr, prefix_slots_ptr, out_ptr, num_slots, num_prefix_slots, num_q_heads,
     s_ob, s_oh, s_od,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
@@ -314,7 +314,7 @@ def _decode_reduce_kernel(
     """Log-sum-exp merge of slots [0, num_slots) of BLOCK_H q heads of a row (a [BLOCK_H, BLOCK_S,
     BLOCK_D] tile: one program per (row, BLOCK_H heads), so a step's merge is a wave of sizeable
     programs, not one tiny program per head). HAS_PREFIX: slots [0, num_prefix_slots) hold a shared
-    prefix's partials, valid only for rows with ctx_start > 0."""
+    prefix's partials, of which a row's first prefix_slots[b] are valid."""
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_s = tl.arange(0, BLOCK_S)
@@ -323,8 +323,7 @@ def _decode_reduce_kernel(
     row = (b.to(tl.int64) * num_q_heads + offs_h)[:, None] * BLOCK_S + offs_s[None, :]
     s_mask = h_mask[:, None] & (offs_s < num_slots)[None, :]
     if HAS_PREFIX:
-        has_prefix = (tl.load(ctx_start_ptr + b) + 0 * offs_s) > 0  # a block: the interpreter rejects scalar | block
-        s_mask = s_mask & ((offs_s >= num_prefix_slots) | has_prefix)[None, :]
+        s_mask = s_mask & ((offs_s >= num_prefix_slots) | (offs_s < tl.load(prefix_slots_ptr + b)))[None, :]
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -471,17 +470,17 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
     )
 
 
-def launch_reduce(partials, out, num_slots, ctx_start=None, num_prefix_slots=0):
-    """out[b, h] = the log-sum-exp merge of partial slots [0, num_slots); with ctx_start, slots
-    [0, num_prefix_slots) count only for rows whose ctx_start > 0."""
+def launch_reduce(partials, out, num_slots, prefix_slots=None, num_prefix_slots=0):
+    """out[b, h] = the log-sum-exp merge of partial slots [0, num_slots); with prefix_slots (int32 [B]),
+    of slots [0, num_prefix_slots) only a row's first prefix_slots[b] count."""
     part_o, part_lse = partials
     B, Hq, D = out.shape
     block_s, block_d = part_lse.shape[2], part_o.shape[3]
     block_h = min(triton.next_power_of_2(Hq), max(1, REDUCE_TILE_ELEMENTS // (block_s * block_d)))
     _decode_reduce_kernel[(B, triton.cdiv(Hq, block_h))](
-        part_o, part_lse, ctx_start if ctx_start is not None else part_lse, out,
+        part_o, part_lse, prefix_slots if prefix_slots is not None else part_lse, out,
         num_slots, num_prefix_slots, Hq, *out.stride(),
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h, HAS_PREFIX=ctx_start is not None,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_H=block_h, HAS_PREFIX=prefix_slots is not None,
         num_warps=8,
     )
 

@@ -134,8 +134,7 @@ def check_cascade_groups(block_tables, seq_lens, cu_group_rows, group_prefix_len
 
 
 def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, cu_group_rows,
-                             group_prefix_lens, max_group_rows=None, out=None):
-    """max_group_rows: a tiling hint for the Triton version, not needed here."""
+                             group_prefix_lens, out=None):
     bounds, prefixes = check_cascade_groups(block_tables, seq_lens, cu_group_rows, group_prefix_lens,
                                             key_cache.shape[2])
     out = torch.empty_like(q) if out is None else out

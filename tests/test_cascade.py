@@ -6,8 +6,10 @@ copy-on-write), with shuffled physical block ids. The result must equal plain pa
 test_ops checks against the same oracle, within the ops' tolerances. Slots no row may read, a block
 just before the cache (block id -1) and the outputs are NaN.
 """
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,41 +150,89 @@ def test_no_groups_is_plain_decode(backend, gen, nan_buffers):
     check(ops.cascade_attention_decode(*args, *no_groups, backend=backend), decode_oracle(*args), dtype, gen, backend)
 
 
-def test_prefix_read_through_first_member_only(gen, nan_buffers):
-    """White box: the Triton op reads a group's prefix through its first row's block table only, so the
-    other members' whole prefix blocks may point at block -1 (NaN) and the result must not change."""
+def plan_of(args, groups, **fields):
+    """The prefix pass's plan of these groups on DEVICE, with PrefixPass fields replaced (block_q, programs)."""
+    from ops import cascade
+
+    shape = dataclasses.replace(cascade.PrefixPass.of(args[0], args[1]), **fields)
+    return shape, torch.from_numpy(shape.plan(*(g.cpu().numpy() for g in groups))).to(DEVICE)
+
+
+def test_prefix_read_through_each_tiles_first_row(gen, nan_buffers):
+    """White box: the Triton op reads a prefix chunk through its tile's first row's block table only, so
+    the other rows' prefix blocks may point at block -1 (NaN) and the result must not change. Tiles of 2
+    rows here: a group's rows 0, 2, 4, .. keep their tables."""
     from ops import cascade
 
     dtype = torch.float32
     groups = [(32, [32, 40, 77]), (20, [20, 31, 60]), (48, [50, 48, 90, 64, 70])]
     args, (cu, prefixes) = cascade_inputs((16, 8, 2, 64, groups, [5]), dtype, gen)
     ref = decode_oracle(*args)
+    _, plan = plan_of(args, (cu, prefixes), block_q=2)
     bt = args[3].clone()
     bounds = cu.tolist()
     for g, (prefix, _) in enumerate(groups):
-        bt[bounds[g] + 1:bounds[g + 1], :prefix // 16] = -1
-    out = cascade.cascade_attention_decode(*args[:3], bt, *args[4:], cu, prefixes, num_chunks=2, num_splits=2)
-    check(out, ref, dtype, gen, "prefix via the first member")
+        for row in range(bounds[g], bounds[g + 1]):
+            if (row - bounds[g]) % 2:
+                bt[row, :prefix // 16] = -1
+    out = cascade.cascade_attention_decode(*args[:3], bt, *args[4:], cu, prefixes, num_splits=2, plan=plan)
+    check(out, ref, dtype, gen, "prefix via each tile's first row")
 
 
-@pytest.mark.parametrize("num_chunks,num_splits", [(1, 1), (3, 2), (8, 1), (5, 8)])
-def test_cascade_forced_partitions(num_chunks, num_splits, gen, nan_buffers):
-    """Forced prefix chunk / suffix split counts (3: not a power of two; 8: empty chunks; 5 + 8 = 13
-    slots, of a 16-slot buffer: the merge masks the 3 past the last)."""
+@pytest.mark.parametrize("block_q,programs,chunk_min,num_splits", [(8, 1, 256, 1), (2, 7, 16, 2), (1, 2, 16, 8),
+                                                                    (3, 40, 32, 5)])
+def test_cascade_forced_plans(block_q, programs, chunk_min, num_splits, gen, nan_buffers, monkeypatch):
+    """Plans other than the default: one program walking every item, more programs than items, tiles of
+    1-8 rows (3: not a power of two), chunks of 16-256 tokens (up to PREFIX_SLOTS a group), and forced
+    suffix splits (PREFIX_SLOTS + 5 slots of a buffer of the next power of two: the merge masks those past the
+    last)."""
     from ops import cascade
 
+    monkeypatch.setattr(cascade, "CHUNK_MIN_TOKENS", chunk_min)
     dtype = torch.float32
-    args, groups = cascade_inputs((16, 8, 2, 64, [(96, [96, 150, 100]), (16, [17, 40])], [33]), dtype, gen)
-    out = cascade.cascade_attention_decode(*args, *groups, num_chunks=num_chunks, num_splits=num_splits)
-    check(out, decode_oracle(*args), dtype, gen, f"chunks={num_chunks} splits={num_splits}")
+    args, groups = cascade_inputs((16, 8, 2, 64, [(96, [96, 150, 100]), (16, [17, 40]), (160, [170] * 5)], [33]),
+                                  dtype, gen)
+    shape, plan = plan_of(args, groups, block_q=block_q, programs=programs)
+    out = cascade.cascade_attention_decode(*args, *groups, num_splits=num_splits, plan=plan)
+    check(out, decode_oracle(*args), dtype, gen, f"{shape} splits={num_splits}")
 
 
-def test_cascade_group_rows_hint(gen, nan_buffers):
-    dtype = torch.float32
-    args, groups = cascade_inputs((16, 8, 2, 64, [(32, [40, 33]), (16, [16, 50])], []), dtype, gen)
-    ref = decode_oracle(*args)
-    for backend in BACKENDS:
-        check(ops.cascade_attention_decode(*args, *groups, backend=backend, max_group_rows=2), ref, dtype, gen, backend)
+def test_plan_covers_each_grouped_row_once(gen):
+    """PrefixPass.plan against a count by hand: over its items, each row of a group with an aligned prefix
+    p > 0 sees every token of [0, p) exactly once, in slots 0 .. its group's chunk count - 1, each slot once;
+    no item is empty or crosses its group; the items are within max_items; chunks start on block_n."""
+    from ops import cascade
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        num_groups = int(rng.integers(1, 40))
+        rows = rng.integers(0, 20, num_groups)
+        prefixes = np.where(rng.random(num_groups) < 0.2, 0, rng.integers(1, 5000, num_groups))
+        shape = cascade.PrefixPass(block_q=int(rng.choice([1, 3, 8, 64])), block_n=int(rng.choice([16, 64])),
+                                   align=int(rng.choice([1, 32])), programs=int(rng.integers(1, 40)))
+        cu = np.r_[0, np.cumsum(rows)]
+        work = shape.plan(cu, prefixes)
+        items = work[1:]
+        assert work[0, 0] == len(items) == shape.num_items(rows, prefixes)
+        assert len(items) <= shape.max_items(int(cu[-1]), num_groups)
+        seen = {}
+        for first, n, start, end, slot, slots, prefix, _ in items.tolist():
+            g = int(np.searchsorted(cu, first, side="right")) - 1
+            assert 0 < n <= shape.block_q and first + n <= cu[g + 1], (trial, first, n)
+            assert 0 <= start < end <= prefix and start % shape.block_n == 0 and 0 <= slot < slots <= cascade.PREFIX_SLOTS
+            assert prefix == prefixes[g] - prefixes[g] % shape.align
+            for row in range(first, first + n):
+                seen.setdefault(row, []).append((start, end, slot, slots, prefix))
+        for g in range(num_groups):
+            aligned = prefixes[g] - prefixes[g] % shape.align
+            for row in range(cu[g], cu[g + 1]):
+                chunks = sorted(seen.pop(row, []))
+                if aligned == 0:
+                    assert not chunks
+                    continue
+                assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == aligned
+                assert sorted(c[2] for c in chunks) == list(range(chunks[0][3]))
+        assert not seen
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs every dtype in the tests above")
@@ -226,46 +276,63 @@ def test_reference_merge_is_exact_attention(gen):
 
 def test_graph_layout(gen, nan_buffers):
     """A step as an engine cascade graph runs it (engine/cuda_graphs.py): its groups (one of them a plain
-    run between two sharing groups) padded by copy_groups with empty groups up to the static size, then
-    the bucket's padding rows (seq_len 0, another row's block table) after every group and the plain row."""
+    run between two sharing groups) padded by copy_groups with empty groups up to the static size, its plan
+    in the first rows of a larger buffer whose other rows hold garbage, then the bucket's padding rows
+    (seq_len 0, another row's block table) after every group and the plain row."""
     from engine.attention import CascadeMetadata
     from engine.cuda_graphs import copy_groups
+    from ops import cascade
 
     dtype, pad_rows, entries = torch.float32, 3, 8
     args, (cu, prefixes) = cascade_inputs((16, 8, 2, 64, [(32, [32, 40, 77]), (0, [20, 9]), (48, [48, 60])], [5]),
                                           dtype, gen)
     q, key_cache, value_cache, bt, seq_lens, scale = args
+    _, plan = plan_of(args, (cu, prefixes))
     static = CascadeMetadata(torch.full((entries + 1,), 99, dtype=torch.int32, device=DEVICE),
-                             torch.full((entries,), 99, dtype=torch.int32, device=DEVICE))
-    copy_groups(static, CascadeMetadata(cu, prefixes))
+                             torch.full((entries,), 99, dtype=torch.int32, device=DEVICE),
+                             torch.full((plan.shape[0] + 5, cascade.WORK_FIELDS), 99, dtype=torch.int32, device=DEVICE))
+    copy_groups(static, CascadeMetadata(cu, prefixes, plan))
     assert static.cu_group_rows.tolist() == [0, 3, 5, 7] + [7] * (entries - 3)
     assert static.group_prefix_lens.tolist() == [32, 0, 48] + [0] * (entries - 3)
+    assert torch.equal(static.plan[:plan.shape[0]], plan)
     padded = (torch.cat([q, torch.randn(pad_rows, *q.shape[1:], generator=gen).to(DEVICE)]), key_cache, value_cache,
               torch.cat([bt, bt[:pad_rows]]), torch.cat([seq_lens, seq_lens.new_zeros(pad_rows)]), scale)
-    out = ops.cascade_attention_decode(*padded, static.cu_group_rows, static.group_prefix_lens, backend="triton")
+    out = ops.cascade_attention_decode(*padded, static.cu_group_rows, static.group_prefix_lens, backend="triton",
+                                       plan=static.plan)
     check(out[:q.shape[0]], decode_oracle(*args), dtype, gen, "graph layout")
     assert torch.isfinite(out[q.shape[0]:]).all()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_cascade_cuda_graph(gen):
-    """One capture, replayed with other seq_lens, groups and prefix lengths of the same shapes."""
+    """One capture, replayed with other seq_lens, groups, prefix lengths and plans of the same shapes."""
+    from ops import cascade
+
     dtype = torch.bfloat16
     args, (cu, prefixes) = cascade_inputs(
         (16, 16, 8, 128, [(256, [300, 256, 900]), (32, [40, 33]), (0, [17])], [1000]), dtype, gen)
     q, key_cache, value_cache, bt, seq_lens, scale = args
-    ops.cascade_attention_decode(*args, cu, prefixes)  # warm-up: compiles
+    shape = cascade.PrefixPass.of(q, key_cache)
+    plan = torch.zeros(1 + shape.max_items(q.shape[0], 3), cascade.WORK_FIELDS, dtype=torch.int32, device=DEVICE)
+
+    def set_groups(new_cu, new_prefixes):
+        cu.copy_(as_int(new_cu))
+        prefixes.copy_(as_int(new_prefixes))
+        work = torch.from_numpy(shape.plan(np.array(new_cu), np.array(new_prefixes)))
+        plan[:work.shape[0]].copy_(work)
+
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    set_groups(cu.tolist(), prefixes.tolist())
+    ops.cascade_attention_decode(*args, cu, prefixes, plan=plan)  # warm-up: compiles
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ops.cascade_attention_decode(*args, cu, prefixes)
-    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+        out = ops.cascade_attention_decode(*args, cu, prefixes, plan=plan)
     # second replay: rows 0-2 as groups of 1 and 2 with shorter prefixes, shorter contexts everywhere
     for new_lens, new_cu, new_prefixes in (([300, 256, 900, 40, 33, 17, 1000], [0, 3, 5, 6], [256, 32, 0]),
                                            ([200, 256, 500, 40, 16, 17, 7], [0, 1, 3, 3], [0, 160, 0])):
         seq_lens.copy_(as_int(new_lens))
-        cu.copy_(as_int(new_cu))
-        prefixes.copy_(as_int(new_prefixes))
+        set_groups(new_cu, new_prefixes)
         out.fill_(NAN)
         graph.replay()
         torch.cuda.synchronize()

@@ -1,7 +1,5 @@
 """engine/prefix_groups.py: a hand-computed example, and a property test against a brute-force oracle
 (pure Python over rows) whose results must also satisfy the op's own group check."""
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -9,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.prefix_groups import CascadePolicy, StepCost, find_prefix_groups
-from ops.cascade import prefix_grid_programs
+from ops.cascade import PrefixPass
 from ops.paged_attention_reference import check_cascade_groups
 
 ON = CascadePolicy(2, 1)
@@ -53,7 +51,7 @@ def test_no_groups():
     assert groups_of(ON, [[1, 2], [3, 4]], [8, 8]) is None  # no first block in common
 
 
-# plain = 10 + 1 row + 0.5 unique token + 0.25 repeated token; cascade = 20 + 2 prefix-pass programs
+# plain = 10 + 1 row + 0.5 unique token + 0.25 repeated token; cascade = 20 + 2 prefix-pass items
 # + 0.5 own token + 1 prefix token + 3 groups (microseconds, for 100 bytes of K/V a token)
 COST = StepCost(plain=(10, 1, 0.5, 0.25), cascade=(20, 2, 0.5, 1, 3), kv_bytes_per_token=100)
 
@@ -66,24 +64,29 @@ def test_step_cost_by_hand():
     assert COST.groups_that_pay(rows, prefixes, 200).tolist() == [True, False]
     assert COST.groups_that_pay(np.array([3]), np.array([6]), 100).tolist() == [False]  # 0.5 * 6 = 3, not > 3
     # 11 rows reading 91 tokens, groups as above: grouped 3 * 8 + 2 * 12 = 48 tokens, prefixes 20, repeated 28.
-    # with 11 programs: plain 10 + 11 + 0.5 * 63 + 0.25 * 28 = 59.5; cascade 20 + 22 + 0.5 * 43 + 20 + 6 = 89.5
+    # with 11 items: plain 10 + 11 + 0.5 * 63 + 0.25 * 28 = 59.5; cascade 20 + 22 + 0.5 * 43 + 20 + 6 = 89.5
     assert not COST.cascade_pays(11, 91, rows, prefixes, 100, 11)
     # with 64 rows sharing 1,000 tokens in one group, reading 64,000 + 640 own: plain 10 + 64 + 0.5 * 1,640
-    # + 0.25 * 63,000 = 16,644; cascade, 64 programs: 20 + 128 + 0.5 * 640 + 1,000 + 3 = 1,471; with 8,000
-    # programs: 20 + 16,000 + 1,323 = 17,343, plain
+    # + 0.25 * 63,000 = 16,644; cascade, 64 items: 20 + 128 + 0.5 * 640 + 1,000 + 3 = 1,471; with 8,000
+    # items: 20 + 16,000 + 1,323 = 17,343, plain
     assert COST.cascade_pays(64, 64_640, np.array([64]), np.array([1000]), 100, 64)
     assert not COST.cascade_pays(64, 64_640, np.array([64]), np.array([1000]), 100, 8000)
 
 
 def test_groups_that_the_cost_takes():
-    programs = lambda rows, num_groups: rows  # noqa: E731 (11 here)
-    policy = CascadePolicy(2, 1, cost=COST, kv_bytes_per_token=100, prefix_programs=programs)
+    one_row_tiles = PrefixPass(block_q=1, block_n=4, align=1, programs=2)  # A's prefix of 8: 1 chunk, 3 items
+    policy = CascadePolicy(2, 1, cost=COST, kv_bytes_per_token=100, prefix_pass=one_row_tiles)
     # candidates A (3 rows x 8), B (2 x 12), C (2 x 4): only A pays for itself ((0.5 * 3 - 1) 8 = 4 > 3), and
-    # then the step: 11 rows, 91 tokens, A alone: plain 10 + 11 + 0.5 * 75 + 0.25 * 16 = 62.5; cascade 20 + 22
-    # + 0.5 * 67 + 8 + 3 = 86.5: plain wins, so no groups
+    # then the step: 11 rows, 91 tokens, A alone: plain 10 + 11 + 0.5 * 75 + 0.25 * 16 = 62.5; cascade 20 + 2 * 3
+    # + 0.5 * 67 + 8 + 3 = 70.5: plain wins, so no groups
     assert groups_of(policy) is None
     cheap = StepCost(plain=(10, 1, 0.5, 0.25), cascade=(0, 0, 0.5, 1, 3), kv_bytes_per_token=100)
-    # the same with a free launch: cascade 0 + 0 + 33.5 + 8 + 3 = 44.5 < 62.5, A alone
+    # the same with a free launch: cascade 0 + 0 + 33.5 + 8 + 3 = 44.5 < 62.5, A alone, with A's plan: its 3
+    # rows against tokens [0, 8) in slot 0 of 1
+    taken = CascadePolicy(2, 1, cost=cheap, kv_bytes_per_token=100, prefix_pass=one_row_tiles)
+    assert groups_of(taken) == ([0, 3], [8], 3)
+    found = find_prefix_groups(np.array(TABLES, dtype=np.int32), np.array(LENS, dtype=np.int32), 4, taken)
+    assert found.plan.tolist() == [[3] + [0] * 7] + [[row, 1, 0, 8, 0, 1, 8, 0] for row in range(3)]
     assert groups_of(CascadePolicy(2, 1, cost=cheap, kv_bytes_per_token=100)) == ([0, 3], [8], 3)
     # a step of fewer rows than min_step_rows takes nothing
     assert groups_of(CascadePolicy(2, 1, min_step_rows=12, cost=cheap, kv_bytes_per_token=100)) is None
@@ -99,12 +102,12 @@ def test_policy_for_mode():
 
 
 def test_measured_cost_takes_the_samples_of_a_rollout():
-    """STEP_COST as measured, for Qwen3-0.6B's heads and a 4,096-token context: 512 decode rows in 32 groups of
-    16 samples sharing 1,024-token prompts, each with ~256 tokens of its own, take the cascade; 64 rows of 2
-    samples sharing 16 tokens do not."""
-    programs = functools.partial(prefix_grid_programs, num_q_heads=16, num_kv_heads=8, max_ctx=4096,
-                                 device=torch.device("cpu"))  # sm_count: the H200's off the GPU
-    auto = CascadePolicy.for_mode("auto", torch.device("cuda"), 4096, programs)
+    """STEP_COST as measured, for Qwen3-0.6B's heads on the H200 (the prefix pass's tiles of 32 rows, 33
+    programs a kv head: ops.cascade.PrefixPass.of there): 512 decode rows in 32 groups of 16 samples sharing
+    1,024-token prompts, each with ~256 tokens of its own, take the cascade; 64 rows of 2 samples sharing 16
+    tokens do not."""
+    h200 = PrefixPass(block_q=32, block_n=64, align=1, programs=33)
+    auto = CascadePolicy.for_mode("auto", torch.device("cuda"), 4096, h200)
     block_size, prompt_blocks, own_blocks = 16, 64, 16
     tables, lens = [], []
     for g in range(32):
