@@ -31,7 +31,7 @@ class StepCost:
                   + cascade[4] groups
     A group of r rows sharing p tokens has p prefix tokens, which plain decode reads r times (r - 1 of them
     repeated, partly from L2); own tokens are every row's others. The prefix pass's items are its plan's
-    (ops.cascade.PrefixPass.num_items: row tiles x prefix chunks, each a query tile loaded and a partial
+    (ops.cascade.PrefixPass.plan's count: row tiles x prefix chunks, each a query tile loaded and a partial
     written per kv head). Token terms
     are for kv_bytes_per_token bytes of K and V a token and a layer; a model with other heads scales them by
     its own bytes."""
@@ -155,17 +155,16 @@ def find_prefix_groups(block_tables: np.ndarray, seq_lens: np.ndarray, block_siz
     if policy.cost is not None:
         pays = policy.cost.groups_that_pay(ends - starts, prefixes, policy.kv_bytes_per_token)
         starts, ends, prefixes = starts[pays], ends[pays], prefixes[pays]
-        if starts.size == 0:
-            return None
-        items = policy.prefix_pass.num_items(ends - starts, prefixes) if policy.prefix_pass else 0
-        if not policy.cost.cascade_pays(n, int(seq_lens.sum()), ends - starts, prefixes,
-                                        policy.kv_bytes_per_token, items):
-            return None
     if starts.size == 0:
         return None
     groups = _layout(starts, ends, prefixes)
     if policy.prefix_pass is not None:
         groups.plan = policy.prefix_pass.plan(groups.cu_group_rows, groups.group_prefix_lens)
+    if policy.cost is not None:
+        items = 0 if groups.plan is None else int(groups.plan[0, 0])
+        if not policy.cost.cascade_pays(n, int(seq_lens.sum()), ends - starts, prefixes,
+                                        policy.kv_bytes_per_token, items):
+            return None
     return groups
 
 

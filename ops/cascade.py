@@ -95,11 +95,13 @@ def _prefix_kernel(
 
 
 def prefix_cfg(q, key_cache):
-    if not q.is_cuda:
-        return PREFIX_CFG["interp"]
-    if q.dtype == torch.float32:
-        return PREFIX_CFG["gpu_fp32"]
-    return PREFIX_CFG["gpu_large_d" if q.shape[2] > 128 else "gpu"]
+    return paged_attention.prefill_cfg(q, key_cache, PREFIX_CFG)
+
+
+def prefix_programs(cfg, num_kv_heads: int, device) -> int:
+    """The prefix pass's programs per kv head at launch cfg: its fixed count, or programs_per_sm of the
+    device's SMs over the kv heads."""
+    return cfg.get("programs") or math.ceil(paged_attention.sm_count(device) * cfg["programs_per_sm"] / num_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,8 @@ class PrefixPass:
         Hq, Hkv, bs = q.shape[1], key_cache.shape[1], key_cache.shape[2]
         cfg = prefix_cfg(q, key_cache)
         decode_block_n = paged_attention.decode_cfg(q, key_cache, short_contexts=True)["BLOCK_N"]
-        programs = cfg.get("programs") or math.ceil(paged_attention.sm_count(q.device) * cfg["programs_per_sm"] / Hkv)
         return cls(paged_attention.query_tile(cfg, Hq // Hkv, None, q.is_cuda)[1], cfg["BLOCK_N"],
-                   decode_block_n if bs % decode_block_n == 0 else 1, programs)
+                   decode_block_n if bs % decode_block_n == 0 else 1, prefix_programs(cfg, Hkv, q.device))
 
     def chunks(self, rows: np.ndarray, prefixes: np.ndarray):
         """Per group (rows [G], prefix tokens [G]): (aligned prefix, tiles, chunks, tokens a chunk). The items
@@ -133,11 +134,6 @@ class PrefixPass:
         per = -(-(-(-prefixes // chunks)) // self.block_n) * self.block_n
         chunks = np.where(prefixes > 0, -(-prefixes // np.maximum(per, 1)), 0)
         return prefixes, tiles, chunks, per
-
-    def num_items(self, rows: np.ndarray, prefixes: np.ndarray) -> int:
-        """The items of groups of these rows and prefixes (the work list's length, W)."""
-        _, tiles, chunks, _ = self.chunks(rows, prefixes)
-        return int((tiles * chunks).sum())
 
     def max_items(self, max_rows: int, max_groups: int) -> int:
         """A bound of W over steps of <= max_rows rows in <= max_groups groups: the chunks aim at
@@ -194,8 +190,9 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
     out = torch.empty_like(q) if out is None else out
     if B == 0:
         return out
-    shape = PrefixPass.of(q, key_cache)
+    cfg = prefix_cfg(q, key_cache)
     if plan is None:
+        shape = PrefixPass.of(q, key_cache)
         plan = torch.from_numpy(shape.plan(cu_group_rows.cpu().numpy(), group_prefix_lens.cpu().numpy())).to(q.device)
     if num_splits is None:
         num_splits = paged_attention.decode_num_splits(B, Hkv, block_tables.shape[1] * bs, q.device, balance=False)
@@ -203,8 +200,8 @@ def cascade_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, 
     partials = paged_attention.decode_partials(q, PREFIX_SLOTS + num_splits)
     # (ctx_start, prefix slots) a row, each row of the pair 16-byte aligned (an unaligned one compiles a variant)
     row_prefix = torch.zeros(2, -(-B // 4) * 4, dtype=torch.int32, device=q.device)
-    _launch_prefix(q, key_cache, value_cache, block_tables, scale, plan, row_prefix, partials, shape.programs,
-                   prefix_cfg(q, key_cache))
+    _launch_prefix(q, key_cache, value_cache, block_tables, scale, plan, row_prefix, partials,
+                   prefix_programs(cfg, Hkv, q.device), cfg)
     paged_attention.launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_splits,
                                   partials=partials, ctx_start=row_prefix[0, :B], first_slot=PREFIX_SLOTS,
                                   short_contexts=True)

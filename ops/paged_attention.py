@@ -587,12 +587,14 @@ PREFILL_CFG = {
 }
 
 
-def prefill_cfg(q, key_cache):
+def prefill_cfg(q, key_cache, table=PREFILL_CFG):
+    """The entry of a table of query-tile launches (PREFILL_CFG, ops.cascade.PREFIX_CFG) for q: the
+    interpreter's, float32's, head_dim > 128's or the GPU's."""
     if not q.is_cuda:
-        return PREFILL_CFG["interp"]
+        return table["interp"]
     if q.dtype == torch.float32:
-        return PREFILL_CFG["gpu_fp32"]
-    return PREFILL_CFG["gpu_large_d" if q.shape[2] > 128 else "gpu"]
+        return table["gpu_fp32"]
+    return table["gpu_large_d" if q.shape[2] > 128 else "gpu"]
 
 
 def query_tile(cfg, G, max_rows, on_gpu):
