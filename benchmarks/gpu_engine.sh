@@ -2,7 +2,7 @@
 # The GPU engine's checks and benchmarks in one device call.
 # Usage on the GPU machine, from the repo root: bash benchmarks/gpu_engine.sh [SECTION ...]
 # Sections: tests nano long topp shared hang models samples logprobs profile baseline sweep piecewise json fp8
-# rollout startup moe kl fp8_70b
+# rollout startup moe kl fp8_70b fp8_long
 # (default: tests nano long topp shared profile). hang: issue 28's top-p job (4,096 random prompts, top_p
 # alone), which hung the GPU before the truncating sampler's rounds were bounded.
 # Every bench runs with the engine's defaults (no scheduler flags). Logs go to $OUT (or ./gpu_logs).
@@ -12,7 +12,8 @@
 # same unconstrained, then benchmarks/structured_profile.py; TOKENIZER: the tokenizer they use (default
 # .bench/bpe151k: `python benchmarks/grammar_backends.py --vocab 151643 --site-packages --save .bench/bpe151k`).
 # fp8: issue 31's trio in one call, Qwen3-8B `nano` in bf16, with model.quantization=fp8, and with an FP8 KV
-# cache too, after benchmarks/fp8_gemm.py's per-projection times (no Triton sweep). fp8_70b: the Llama-3.3-70B
+# cache too, after benchmarks/fp8_gemm.py's per-projection times (no Triton sweep). fp8_long: the Qwen3-8B shape's
+# `long` in bf16, then with FP8 weights and KV (~200 s). fp8_70b: the Llama-3.3-70B
 # shape's `nano` with FP8 weights and KV (~210 s with its start-up). rollout: issue 33's workload (512 prompts x 16 samples).
 # startup: a 64-prompt job's start-up breakdown, twice (the second with the Triton cache warm). moe: the
 # experts op's launches, measured and saved to ops/moe_tuned/ (benchmarks/moe_op.py --save), then the Qwen3-30B-A3B shape's nano. kl: issue 31's KL divergence
@@ -79,6 +80,11 @@ if want fp8; then
   MODEL=qwen3-8b bench nano_8b_bf16 job.workload=nano
   MODEL=qwen3-8b bench nano_8b_fp8 job.workload=nano model.quantization=fp8
   MODEL=qwen3-8b bench nano_8b_fp8kv job.workload=nano model.quantization=fp8 cache.kv_cache_dtype=fp8
+fi
+if want fp8_long; then
+  MODEL=qwen3-8b bench long_8b_bf16 job.workload=long; steps $runs/long_8b_bf16/steps.parquet
+  MODEL=qwen3-8b bench long_8b_fp8 job.workload=long model.quantization=fp8 cache.kv_cache_dtype=fp8
+  steps $runs/long_8b_fp8/steps.parquet
 fi
 want fp8_70b && { MODEL=llama-3.3-70b bench nano_70b job.workload=nano model.quantization=fp8 cache.kv_cache_dtype=fp8
   steps $runs/nano_70b/steps.parquet; }

@@ -24,8 +24,8 @@ SIZES = {"cuda": (2 * 2**30, 8192, 10), "cpu": (256 * 2**20, 512, 5)}
 
 
 def device_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
-    """(copy bytes per second, counting bytes read and written; matmul FLOP per second in `dtype`):
-    from the cache, else measured now and cached."""
+    """(copy bytes per second, counting bytes read and written; matmul FLOP per second in `dtype`, for an
+    FP8 dtype torch._scaled_mm's): from the cache, else measured now and cached."""
     key, path = device_key(device, dtype), cache_path()
     cache = read_cache(path)
     rates, source = cached_rates(cache.get(key)), f"cached in {path}"
@@ -88,19 +88,31 @@ def write_cache(path: Path, cache: dict) -> None:
 @torch.inference_mode()
 def measure(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """Median rates over timed repeats after a warm-up: a device-to-device copy (bytes read + written)
-    and an n x n x n matmul on random data (2 n^3 FLOPs)."""
+    and an n x n x n matmul on random data (2 n^3 FLOPs), the fastest of matmuls(n, dtype, device)."""
     num_bytes, n, repeats = SIZES[device.type]
     src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_s = median_seconds(lambda: dst.copy_(src), device, repeats)
     del src, dst
-    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    out = torch.empty(n, n, dtype=dtype, device=device)
-    matmul_s = median_seconds(lambda: torch.matmul(a, b, out=out), device, repeats)
-    del a, b, out
+    matmul_s = min(median_seconds(fn, device, repeats) for fn in matmuls(n, dtype, device))
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return 2 * num_bytes / copy_s, 2 * n**3 / matmul_s
+
+
+def matmuls(n: int, dtype: torch.dtype, device: torch.device) -> list:
+    """The ways to multiply two n x n matrices in `dtype` (random data) that the rate takes the fastest of:
+    torch.matmul; for an FP8 dtype, torch._scaled_mm into bfloat16 with a scale per row of each operand (what
+    ops.fp8_matmul runs above a few rows) and with one per tensor (cuBLASLt), CUDA of compute capability
+    8.9+ only (engine/models/quantization.py's fp8_gemms)."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+        out = torch.empty(n, n, dtype=dtype, device=device)
+        return [lambda: torch.matmul(a, b, out=out)]
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    rows, one = torch.ones(n, 1, device=device), torch.ones((), device=device)
+    return [lambda: torch._scaled_mm(a, b.t(), scale_a=rows, scale_b=rows.t(), out_dtype=torch.bfloat16),
+            lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)]
 
 
 def median_seconds(fn, device: torch.device, repeats: int) -> float:

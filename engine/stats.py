@@ -192,6 +192,7 @@ class FloorModel:
     expert_bytes: int = 0  # one expert of every sparse layer (a mixture of experts; 0: dense)
     num_experts: int = 0  # E of each sparse layer
     experts_per_token: int = 0  # k: weight_bytes_per_step holds k experts of each sparse layer
+    fp8_params: int = 0  # of N, those stored in FP8: they multiply at the device's FP8 rate
 
 
 def floor_model(model, kv_bytes_per_token: int) -> FloorModel:
@@ -202,7 +203,7 @@ def floor_model(model, kv_bytes_per_token: int) -> FloorModel:
                       weight_bytes_per_step=weights.bytes_per_step, kv_bytes_per_token=kv_bytes_per_token,
                       num_layers=arch.num_hidden_layers, num_q_heads=arch.num_attention_heads, head_dim=arch.head_dim,
                       expert_bytes=weights.expert_bytes, num_experts=weights.num_experts,
-                      experts_per_token=weights.experts_per_token)
+                      experts_per_token=weights.experts_per_token, fp8_params=weights.fp8_params)
 
 
 def expected_experts(tokens, num_experts: int, experts_per_token: int):
@@ -290,7 +291,8 @@ def _range_min(table: list[np.ndarray], lo: int, hi: int) -> int:
     return int(min(table[level][lo], table[level][hi - 2 ** level + 1]))
 
 
-def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_flop_per_s: float) -> dict:
+def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_flop_per_s: float,
+                     fp8_flop_per_s: float | None = None) -> dict:
     """The least time a device with these rates needs for a workload, whatever the schedule.
 
     rows: (prompt token ids, O) per sequence that ran: every sample of every request is a row (the n samples
@@ -314,6 +316,9 @@ def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_fl
                                                                   outputs by its own later steps)
              + (T + sum over rows of D) * kv_bytes_per_token     (K/V written once per position)
     floor_s = max(FLOPs / matmul rate, bytes / copy rate)
+    Of the FLOPs, 2 F per position that a pass computes (T + sum of D) are the FP8 weights' (F = fp8_params):
+    with fp8_flop_per_s they take FLOPs_fp8 / FP8 rate, the rest / matmul rate (attention stays in the model's
+    dtype).
 
     A device can overlap its arithmetic with its memory traffic, so the floor is the larger of the two, not
     their sum; no schedule can do with less of either, so pct_of_floor = 100 x floor_s / wall time <= 100.
@@ -329,5 +334,7 @@ def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_fl
     kv_reads = prompt_reads + sum(_triangle(d) for d in decode)
     kv_bytes = (kv_reads + nodes + sum(decode)) * model.kv_bytes_per_token
     weight_bytes = weight_reads_bytes(outputs, model)
-    parts = {"floor_flops_s": flops / matmul_flop_per_s, "floor_bytes_s": (weight_bytes + kv_bytes) / copy_bytes_per_s}
+    fp8_flops = 2 * model.fp8_params * (nodes + sum(decode)) if fp8_flop_per_s else 0
+    flops_s = (flops - fp8_flops) / matmul_flop_per_s + (fp8_flops / fp8_flop_per_s if fp8_flops else 0.0)
+    parts = {"floor_flops_s": flops_s, "floor_bytes_s": (weight_bytes + kv_bytes) / copy_bytes_per_s}
     return {"floor_s": max(parts.values()), **parts, "floor_prompt_tokens": nodes, "floor_kv_read_tokens": kv_reads}

@@ -200,6 +200,10 @@ SCALED_MM_PADDED = (128, 256)
 # faster up to 64 rows for gate_up, up to 256 with a residual for o_proj and down_proj
 UNIT_SCALE_ROWS = 64
 UNIT_SCALE_ROWS_WITH_RESIDUAL = 256
+# Above those, the row-scaled GEMM runs with fast accumulation (the tensor cores' own partial sums, promoted to
+# float32 less often): 9-14% faster for Qwen3-8B's qkv, o and gate_up at 16,384 rows on the H200, so 6% off a
+# prefill step (benchmarks/NOTES.md, session 30), as vLLM's FP8 GEMMs and torchao's inference do
+FAST_ACCUMULATION = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -215,9 +219,10 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backen
     x' = x * input_weight goes to e4m3 (quantize_rows_to_e4m3); torch._scaled_mm multiplies the FP8 operands,
     accumulating in float32. Up to UNIT_SCALE_ROWS rows (UNIT_SCALE_ROWS_WITH_RESIDUAL with a residual) it
     does so with unit scales into float32, and scale_product (ops/fp8_gemm.py) applies both scales (and the
-    residual's sum) in one rounding; above, _scaled_mm applies them itself, the row counts of
-    SCALED_MM_PADDED padded up to its bound on CUDA. Contract: the float64 product of the dequantized
-    operands, to float32 accumulation (tests/test_fp8_weights.py)."""
+    residual's sum) in one rounding; above, _scaled_mm applies them itself, with fast accumulation
+    (FAST_ACCUMULATION), the row counts of SCALED_MM_PADDED padded up to its bound on CUDA. Contract: the
+    float64 product of the dequantized operands, to float32 accumulation, or to ~1e-3 of the product's size
+    with fast accumulation over thousands of products (tests/test_fp8_weights.py)."""
     rows, cols = x.shape[0], weight.shape[0]
     if residual is not None and (residual.shape != (rows, cols) or residual.dtype != x.dtype):
         raise ValueError(f"residual must be [{rows}, {cols}] in {x.dtype}, got {tuple(residual.shape)} in {residual.dtype}")
@@ -229,7 +234,7 @@ def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backen
     low, high = SCALED_MM_PADDED
     q, scale = quantize_rows_to_e4m3(x, input_weight, high if x.is_cuda and low < rows < high else None, backend)
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
-                           out_dtype=x.dtype)[:rows]
+                           out_dtype=x.dtype, use_fast_accum=FAST_ACCUMULATION)[:rows]
     return out if residual is None else residual.add_(out)
 
 

@@ -1,5 +1,6 @@
 """The workload's floor (engine/stats.py) against hand computations and a per-token transcription of its
 definition, the model numbers it takes, and the device-rates cache (engine/hardware.py)."""
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 from engine import hardware
 from engine.hardware import device_rates
 from engine.models.loader import build_model
+from engine.models.quantization import fp8_projections, store_fp8
 from engine.sequence import SamplingParams
 from engine.stats import FloorModel, expected_experts, floor_model, weight_reads_bytes, workload_floor_s
 from jobs.bench import floor_summary
@@ -31,6 +33,17 @@ def test_floor_by_hand():
         {"floor_s": 152.0, "floor_flops_s": 23.48, "floor_bytes_s": 152.0, "floor_prompt_tokens": 7,
          "floor_kv_read_tokens": 15})
     assert workload_floor_s(rows, SMALL, 1000.0, 100.0)["floor_s"] == pytest.approx(23.48)  # the FLOPs bound
+
+
+def test_fp8_weights_take_the_fp8_rate_by_hand():
+    """test_floor_by_hand's rows with 60 of N's 100 parameters in FP8: 2 * 60 FLOPs for each of the 7 prompt and 3
+    decode positions (1200) go at the FP8 rate, the other 2348 - 1200 at the matmul rate; attention and the
+    logits stay in the model's dtype."""
+    rows = [([1, 2, 3], 2), ([4, 5, 6, 7], 3)]
+    fp8 = dataclasses.replace(SMALL, fp8_params=60)
+    assert workload_floor_s(rows, fp8, 1000.0, 100.0, 200.0)["floor_flops_s"] == pytest.approx(1148 / 100 + 1200 / 200)
+    assert workload_floor_s(rows, fp8, 1000.0, 100.0)["floor_flops_s"] == pytest.approx(23.48)  # no FP8 rate given
+    assert workload_floor_s(rows, SMALL, 1000.0, 100.0, 200.0)["floor_flops_s"] == pytest.approx(23.48)  # no FP8 weights
 
 
 def test_the_samples_of_a_prompt_count_every_token_and_share_the_prompt():
@@ -155,16 +168,27 @@ def test_model_numbers_by_hand(make_config):
                                      num_layers=2, num_q_heads=4, head_dim=16)
 
 
+def test_fp8_weights_counted_by_hand(make_config):
+    """Projections stored in FP8 (as on a device with FP8 GEMMs) count as fp8_params, at a byte each: the tiny
+    model's 8192 + 4096 + 16384 + 8192 = 36864 projection weights a layer of test_model_numbers_by_hand."""
+    model, _ = build_model(make_config().model, torch.device("cpu"), torch.float32)
+    for layer in model.model.layers:
+        store_fp8(fp8_projections(layer))
+    numbers = floor_model(model, kv_bytes_per_token=512)
+    assert numbers.fp8_params == 2 * 36864 and numbers.nonembed_params == 74112
+    assert numbers.weight_bytes_per_step == 2 * 36864 + (74112 - 2 * 36864 + 16448) * 4
+
+
 def test_the_bench_floor_takes_every_finished_sample(make_config):
     """floor_summary over the output rows of the bench (two samples of one request, and another request) is
     workload_floor_s over their prompts and outputs."""
     model, _ = build_model(make_config().model, torch.device("cpu"), torch.float32)
     requests = [([0] * 40, SamplingParams(n=2)), ([2] * 36, SamplingParams())]
     rows = [{"row": 0, "output_tokens": 5}, {"row": 0, "output_tokens": 7}, {"row": 1, "output_tokens": 9}]
-    columns = floor_summary(requests, rows, floor_model(model, 512), 2.0, (1e9, 1e12))
+    columns = floor_summary(requests, rows, floor_model(model, 512), 2.0, (1e9, 1e12, 2e12))
     expected = workload_floor_s([([0] * 40, 5), ([0] * 40, 7), ([2] * 36, 9)], floor_model(model, 512), 1e9, 1e12)
     assert columns == {**expected, "pct_of_floor": pytest.approx(50 * expected["floor_s"]),
-                       "copy_gb_per_s": 1.0, "matmul_tflop_per_s": 1.0}
+                       "copy_gb_per_s": 1.0, "matmul_tflop_per_s": 1.0, "fp8_matmul_tflop_per_s": None}
     assert columns["floor_prompt_tokens"] == 40 + 36
 
 
@@ -200,6 +224,17 @@ def test_a_corrupt_cache_is_measured_again_and_rewritten(tmp_path, measured, con
     assert device_rates(cpu, torch.float32) == (1e9, 1e12) and len(measured) == 1
     assert device_rates(cpu, torch.float32) == (1e9, 1e12) and len(measured) == 1
     assert json.loads((tmp_path / "device_rates.json").read_text())[hardware.device_key(cpu, torch.float32)]["copy_bytes_per_s"] == 1e9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 GEMMs need CUDA of compute capability 8.9+")
+def test_the_fp8_rate_is_measured_apart(tmp_path, monkeypatch):
+    """FP8's matmul rate is an entry of its own, measured with torch._scaled_mm."""
+    monkeypatch.setenv("MINIPAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(hardware.SIZES, "cuda", (2**24, 1024, 2))
+    cuda = torch.device("cuda")
+    assert min(device_rates(cuda, torch.float8_e4m3fn)) > 0 and min(device_rates(cuda, torch.bfloat16)) > 0
+    assert len(json.loads((tmp_path / "device_rates.json").read_text())) == 2
 
 
 def test_measuring_on_the_cpu(monkeypatch):

@@ -189,7 +189,8 @@ class WeightFootprint:
     pass reads only its tokens' rows: not counted). A mixture of experts counts experts_per_token of its
     num_experts experts in each sparse layer (what one token reads); expert_bytes: the bytes of one expert
     in every sparse layer together (0 for a dense model), which the floor adds for each further expert a
-    step's tokens route to."""
+    step's tokens route to. fp8_params: those of nonembed_params stored in FP8, which multiply on the FP8
+    tensor cores (the model keeps weights in FP8 only where they run W8A8: engine/models/quantization.py)."""
 
     nonembed_params: int
     lm_head_params: int
@@ -197,6 +198,7 @@ class WeightFootprint:
     expert_bytes: int = 0
     num_experts: int = 0
     experts_per_token: int = 0
+    fp8_params: int = 0
 
 
 class DecoderForCausalLM(nn.Module):
@@ -281,6 +283,7 @@ class DecoderForCausalLM(nn.Module):
         folded = len(FOLDED_NORMS) * self.arch.num_hidden_layers * self.arch.hidden_size
         params = sum(p.numel() for p in weights) + folded
         nbytes = sum(p.numel() * p.element_size() for p in weights) + folded * self.dtype.itemsize
+        fp8_params = sum(p.numel() for p in weights if p.dtype in ops.FP8_DTYPES and p is not head)
         sparse = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)]
         expert_bytes = 0
         for mlp in sparse:
@@ -288,9 +291,10 @@ class DecoderForCausalLM(nn.Module):
                 one = stacked.numel() // stacked.shape[0]
                 unread = one * (stacked.shape[0] - mlp.top_k)
                 params, nbytes = params - unread, nbytes - unread * stacked.element_size()
+                fp8_params -= unread if stacked.dtype in ops.FP8_DTYPES else 0
                 expert_bytes += one * stacked.element_size()
         experts = (sparse[0].experts.gate_up_proj.shape[0], sparse[0].top_k) if sparse else (0, 0)
-        return WeightFootprint(params - head.numel(), head.numel(), nbytes, expert_bytes, *experts)
+        return WeightFootprint(params - head.numel(), head.numel(), nbytes, expert_bytes, *experts, fp8_params)
 
     def compute_logits(self, hidden):
         """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them."""
