@@ -201,8 +201,8 @@ SCALED_MM_PADDED = (128, 256)
 UNIT_SCALE_ROWS = 64
 UNIT_SCALE_ROWS_WITH_RESIDUAL = 256
 # Above those, the row-scaled GEMM runs with fast accumulation (the tensor cores' own partial sums, promoted to
-# float32 less often): 9-14% faster for Qwen3-8B's qkv, o and gate_up at 16,384 rows on the H200, so 6% off a
-# prefill step (benchmarks/NOTES.md, session 30), as vLLM's FP8 GEMMs and torchao's inference do
+# float32 less often): 9-14% faster for Qwen3-8B's qkv, o and gate_up at 16,384 rows on the H200, 4-5% off the
+# 8B long run's prefill steps, its KL divergence from bf16 unchanged (benchmarks/NOTES.md, session 30)
 FAST_ACCUMULATION = True
 
 
