@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.engine import LLMEngine  # noqa: E402
 from engine.sequence import SamplingParams  # noqa: E402
-from jobs.config import register_configs  # noqa: E402
+from jobs.config import engine_config_of, register_configs  # noqa: E402
 
 PROMPT_LEN, STUB_VOCAB = 300, 64
 
@@ -33,7 +33,7 @@ def stubbed_engine(num_seqs: int) -> LLMEngine:
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
         cfg = compose("config", overrides=[f"scheduler.max_num_seqs={num_seqs}", "scheduler.max_num_batched_tokens=65536",
                                            "job=bench", "model.device=cpu", "cache.num_blocks=20000"])
-    engine = LLMEngine(cfg)
+    engine = LLMEngine(engine_config_of(cfg))  # the plain dataclasses a job hands the engine, not omegaconf's
     torch.set_num_threads(1)
     hidden = engine.model.arch.hidden_size
     engine.runner.forward = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
