@@ -334,7 +334,7 @@ def workload_floor_s(rows, model: FloorModel, copy_bytes_per_s: float, matmul_fl
     kv_reads = prompt_reads + sum(_triangle(d) for d in decode)
     kv_bytes = (kv_reads + nodes + sum(decode)) * model.kv_bytes_per_token
     weight_bytes = weight_reads_bytes(outputs, model)
-    fp8_flops = 2 * model.fp8_params * (nodes + sum(decode)) if fp8_flop_per_s else 0
-    flops_s = (flops - fp8_flops) / matmul_flop_per_s + (fp8_flops / fp8_flop_per_s if fp8_flops else 0.0)
+    fp8_flops = 2 * model.fp8_params * (nodes + sum(decode))
+    flops_s = (flops - fp8_flops) / matmul_flop_per_s + fp8_flops / (fp8_flop_per_s or matmul_flop_per_s)
     parts = {"floor_flops_s": flops_s, "floor_bytes_s": (weight_bytes + kv_bytes) / copy_bytes_per_s}
     return {"floor_s": max(parts.values()), **parts, "floor_prompt_tokens": nodes, "floor_kv_read_tokens": kv_reads}
