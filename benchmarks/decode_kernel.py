@@ -1,9 +1,9 @@
 """The decode attention kernel alone over a bfloat16 and an FP8 (e4m3) cache: µs a call and the K/V bytes read
 per second, at the shapes of the 0.6B and 8B models' decode steps, for this tree's kernel and, with --baseline,
 another version's ops/paged_attention.py. --sweep also times DECODE_CFG's tile choices for each cache dtype (over
-an e4m3 cache on Hopper, the split query's).
+an e4m3 cache on Hopper, the split query's, unless the Gluon kernel takes those launches).
 Results: benchmarks/NOTES.md (issue 31; session 26 ran the version of 805f5f2, which also timed a value cache
-stored with each block transposed).
+stored with each block transposed; session 31 the Gluon kernel against the Triton one).
 
     python3 benchmarks/decode_kernel.py [--baseline PATH] [--sweep]     (a CUDA GPU)
 """
@@ -72,8 +72,11 @@ def main():
     if not opts.sweep:
         return
     for name, dtype in CACHES.items():
-        q, key_cache = inputs(16, 8, 1, BS, dtype)[:2]
+        q, key_cache, value_cache = inputs(16, 8, 1, BS, dtype)[:3]
         split = paged_attention.split_query(q, key_cache)
+        if split and paged_attention.paged_attention_gluon.takes(q, key_cache, value_cache):
+            print(f"sweep {name}: the Gluon kernel takes these launches (its tile: ops/paged_attention_gluon.py)")
+            continue
         key = "gpu" if name == "bf16" else "gpu_fp8_split_query" if split else "gpu_fp8"
         chosen = dict(paged_attention.DECODE_CFG[key])
         for values in itertools.product(*SWEEP.values()):

@@ -18,7 +18,9 @@ Kernels (the cache write is ops/fused.py's, inside rope_and_write_kv_cache):
   physical block comes from the block table (one scalar look-up per tile when the block size is a
   multiple of BLOCK_N). Over an e4m3 cache on Hopper (split_query) the products run transposed,
   tokens x heads, with the keys as stored against the query split into two e4m3 parts
-  (attend_range_split_query). Split-KV (flash-decoding): when
+  (attend_range_split_query); there a launch over whole contexts goes to the same algorithm written in
+  Gluon, with the K/V tiles copied asynchronously into shared memory (ops/paged_attention_gluon.py).
+  Split-KV (flash-decoding): when
   B * Hkv programs cannot fill the GPU, each sequence's tokens are cut into NUM_SPLITS balanced
   ranges (computed in the kernel from seq_len), written as partial (out, log-sum-exp) pairs, and a
   second kernel merges them (one program per row and tile of heads). Cascade decode (ops/cascade.py)
@@ -40,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ops import paged_attention_reference
+from ops import paged_attention_gluon, paged_attention_reference
 
 LOG2E = 1.4426950408889634
 
@@ -449,12 +451,18 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
     decode_partials), into their slots first_slot .. first_slot + num_splits - 1. ctx_start [B] int32
     (optional): each row attends to tokens [ctx_start, seq_len) only. row_order [B] int32 (optional):
     a permutation of the rows, the order in which their programs start. short_contexts: the tiles for
-    ranges of a few hundred tokens (decode_cfg)."""
+    ranges of a few hundred tokens (decode_cfg). A split-query launch over whole contexts goes to the Gluon
+    kernel where it takes the shapes (ops/paged_attention_gluon.py)."""
     B, Hq, D = q.shape
     _, Hkv, bs, _ = key_cache.shape
     split_q = split_query(q, key_cache)
-    cfg = decode_cfg(q, key_cache, short_contexts, split_q)
     split = partials is not None
+    if (split_q and ctx_start is None and not short_contexts
+            and paged_attention_gluon.takes(q, key_cache, value_cache, out)):
+        paged_attention_gluon.launch_decode(q, key_cache, value_cache, block_tables, seq_lens, float(scale) * LOG2E,
+                                            num_splits, out, partials, first_slot, row_order)
+        return
+    cfg = decode_cfg(q, key_cache, short_contexts, split_q)
     part_o, part_lse = partials if split else (out, out)
     out = out if out is not None else q  # unused when split
     _decode_kernel[(B * Hkv * num_splits,)](

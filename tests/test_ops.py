@@ -319,7 +319,7 @@ def test_attention_over_an_fp8_cache(backend, cache_dtype, kind, gen, nan_output
 def test_decode_over_an_e4m3_cache_with_the_split_query(case, num_splits, gen, nan_outputs, monkeypatch):
     """The decode kernel's split query (ops/paged_attention.py, split_query_fp8): the e4m3 keys multiplied as
     stored by the query as two e4m3 parts, on and off Hopper and in the interpreter (forced where
-    split_query would not take it). The float64 oracle over the same cache, at bfloat16's tolerance: the two
+    split_query would not take it; on Hopper the Gluon kernel takes these launches). The float64 oracle over the same cache, at bfloat16's tolerance: the two
     parts keep about a bfloat16 query's precision, whatever the query's dtype."""
     from ops import paged_attention
 
@@ -330,6 +330,27 @@ def test_decode_over_an_e4m3_cache_with_the_split_query(case, num_splits, gen, n
     args = decode_inputs(case, dtype, gen, torch.float8_e4m3fn)
     out = paged_attention.paged_attention_decode(*args, num_splits=num_splits)
     check(out, decode_oracle(*args), torch.bfloat16, gen, f"split query, {num_splits} splits")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a Gluon kernel for Hopper's FP8 tensor cores (no interpreter)")
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"bs{c[0]}-h{c[1]}x{c[2]}-d{c[3]}")
+def test_decode_over_an_e4m3_cache_in_gluon(case, num_splits, gen, nan_outputs, monkeypatch):
+    """ops/paged_attention_gluon.py, which takes the split query's decode launches on Hopper: the float64 oracle
+    over the same cache at bfloat16's tolerance, the rows started in a shuffled order, into partial slots and
+    merged or straight into the output."""
+    from ops import paged_attention, paged_attention_gluon
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the kernel is for Hopper (compute capability 9.0)")
+    launches = []
+    launch = paged_attention_gluon.launch_decode
+    monkeypatch.setattr(paged_attention_gluon, "launch_decode", lambda *a: launches.append(a[6]) or launch(*a))
+    args = decode_inputs(case, torch.bfloat16, gen, torch.float8_e4m3fn)
+    order = torch.randperm(args[0].shape[0], generator=gen).to(torch.int32).to(DEVICE)
+    out = paged_attention.paged_attention_decode(*args, num_splits=num_splits, row_order=order)
+    check(out, decode_oracle(*args), torch.bfloat16, gen, f"gluon decode, {num_splits} splits")
+    assert len(launches) == 1 and (num_splits is None or launches == [num_splits])
 
 
 def rows_of_a_larger_buffer(q, lead):
