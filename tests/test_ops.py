@@ -319,8 +319,9 @@ def test_attention_over_an_fp8_cache(backend, cache_dtype, kind, gen, nan_output
 def test_decode_over_an_e4m3_cache_with_the_split_query(case, num_splits, gen, nan_outputs, monkeypatch):
     """The decode kernel's split query (ops/paged_attention.py, split_query_fp8): the e4m3 keys multiplied as
     stored by the query as two e4m3 parts, on and off Hopper and in the interpreter (forced where
-    split_query would not take it; on Hopper the Gluon kernel takes these launches). The float64 oracle over the same cache, at bfloat16's tolerance: the two
-    parts keep about a bfloat16 query's precision, whatever the query's dtype."""
+    split_query would not take it; on Hopper the Gluon kernel takes these launches). The float64 oracle over
+    the same cache, at bfloat16's tolerance: the two parts keep about a bfloat16 query's precision, whatever
+    the query's dtype."""
     from ops import paged_attention
 
     if ON_GPU and torch.cuda.get_device_capability() < (8, 9):
