@@ -30,11 +30,11 @@ def takes(q, key_cache, value_cache, out=None):
     """Whether this kernel takes a decode launch that ops/paged_attention.py gives the split query: CUDA
     tensors of the shapes above, each with its last dimension contiguous, and caches whose rows cp.async can
     copy (16-byte aligned)."""
+    if not q.is_cuda or q.shape[-1] not in SUPPORTED_HEAD_DIMS or q.shape[1] // key_cache.shape[1] > GROUP_TILE:
+        return False
     tensors = (q, key_cache, value_cache) + ((out,) if out is not None else ())
-    aligned = all(c.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in c.stride()[:3])
-                  for c in (key_cache, value_cache))
-    return (q.is_cuda and q.shape[-1] in SUPPORTED_HEAD_DIMS and q.shape[1] // key_cache.shape[1] <= GROUP_TILE
-            and all(t.stride(-1) == 1 for t in tensors) and aligned)
+    return all(t.stride(-1) == 1 for t in tensors) and all(
+        c.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in c.stride()[:3]) for c in (key_cache, value_cache))
 
 
 @gluon.jit
