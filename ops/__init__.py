@@ -11,6 +11,7 @@ when asked for: triton is optional on CPU.
 """
 import functools
 import importlib
+from typing import NamedTuple
 
 import torch
 
@@ -111,11 +112,23 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
         bias=bias, out=_checked_out(out, q, dtype), scales=scales, dtype=dtype)
 
 
-def silu_and_mul(x, backend=None, *, input_norm=None, bias=None, scales=None):
+# silu_and_mul's to_e4m3 is one program per row, two passes: on the H200 (Qwen3-8B's widths, CUDA graphs) it
+# takes 1.5-1.8x the two kernels it replaces at 8-64 rows, 1.01-1.09x at 128-256, 0.97x at 512, 0.55-0.58x at
+# 4,096-16,384 (benchmarks/NOTES.md, session 32): the models ask for it above this many rows
+SILU_E4M3_ABOVE_ROWS = 256
+
+
+def silu_and_mul(x, backend=None, *, input_norm=None, bias=None, scales=None, to_e4m3=False):
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:]; with input_norm = (hidden [T, H], eps) and bias [2I], x is first
     scaled and biased as rope_and_write_kv_cache's q; scales = (row_scale [T, 1], columns [2I]): x is an FP8
-    product still to be scaled, as there."""
-    return _pick(backend, x, "fused").silu_and_mul(x, input_norm, bias, scales, _deferred_dtype(scales, input_norm, x))
+    product still to be scaled, as there. to_e4m3: the product's rows rounded to e4m3 for an FP8 projection
+    (E4M3Rows, fp8_matmul's x), in the same kernel on CUDA."""
+    dtype = _deferred_dtype(scales, input_norm, x)
+    impl = _pick(backend, x, "fused")
+    if not to_e4m3:
+        return impl.silu_and_mul(x, input_norm, bias, scales, dtype)
+    return E4M3Rows(*impl.silu_and_mul(x, input_norm, bias, scales, dtype, _gemm_rows(x.shape[0], x)), x.shape[0],
+                    dtype)
 
 
 def _deferred_dtype(scales, input_norm, x):
@@ -191,6 +204,17 @@ def quantize_rows_to_e4m3(x, input_weight=None, rows=None, backend=None):
     return _pick(backend, x, "fused").quantize_rows_to_e4m3(x, input_weight, rows)
 
 
+class E4M3Rows(NamedTuple):
+    """Activations already rounded for fp8_matmul (its x): q float8_e4m3fn [P, C] and scale float32 [P, 1] of
+    quantize_rows_to_e4m3, of which the first `count` rows are the activations' (P >= count: padding for the
+    GEMM, _gemm_rows), and dtype, theirs (the model's): made by the kernel before the matmul (silu_and_mul's
+    to_e4m3, fp8_matmul's quantize_sum), which saves the quantization's own kernel."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    count: int
+    dtype: torch.dtype
+
+
 # torch's FP8 GEMM with a scale per row of each operand (CUTLASS on Hopper) takes up to twice as long at 129-255
 # rows as at 256 (the H200, benchmarks/NOTES.md, session 23): fp8_matmul pads those row counts to 256
 SCALED_MM_PADDED = (128, 256)
@@ -211,47 +235,82 @@ def _unit_scale(device):
     return torch.ones((), dtype=torch.float32, device=device)
 
 
-def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backend=None):
+def _gemm_rows(rows, x):
+    """The rows of the row-scaled GEMM's FP8 operand for `rows` activations on x's device (SCALED_MM_PADDED)."""
+    low, high = SCALED_MM_PADDED
+    return high if x.is_cuda and low < rows < high else rows
+
+
+def fp8_matmul(x, weight, weight_scale, input_weight=None, residual=None, backend=None, *, quantize_sum=False,
+               sum_input_weight=None):
     """x [T, K] (the model's dtype) @ (weight * weight_scale[:, None])^T -> [T, N] in x's dtype: W8A8 with
     dynamic per-token activation scales. weight float8_e4m3fn [N, K] with weight_scale float32 [N] (one scale
     per output row); input_weight [K] (optional): a folded RMSNorm's weight, multiplied into x first;
     residual [T, N] (optional): the product is added into it, in place, and it is returned. Each row of
-    x' = x * input_weight goes to e4m3 (quantize_rows_to_e4m3); torch._scaled_mm multiplies the FP8 operands,
-    accumulating in float32. Up to UNIT_SCALE_ROWS rows (UNIT_SCALE_ROWS_WITH_RESIDUAL with a residual) it
-    does so with unit scales into float32, and scale_product (ops/fp8_gemm.py) applies both scales (and the
-    residual's sum) in one rounding; above, _scaled_mm applies them itself, with fast accumulation
-    (FAST_ACCUMULATION), the row counts of SCALED_MM_PADDED padded up to its bound on CUDA. Contract: the
-    float64 product of the dequantized operands, to float32 accumulation, or to ~1e-3 of the product's size
-    with fast accumulation over thousands of products (tests/test_fp8_weights.py)."""
-    rows, cols = x.shape[0], weight.shape[0]
-    if residual is not None and (residual.shape != (rows, cols) or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be [{rows}, {cols}] in {x.dtype}, got {tuple(residual.shape)} in {residual.dtype}")
+    x' = x * input_weight goes to e4m3 (quantize_rows_to_e4m3), unless x comes rounded already (E4M3Rows:
+    input_weight is then ignored); torch._scaled_mm multiplies the FP8 operands, accumulating in float32. Up
+    to UNIT_SCALE_ROWS rows (UNIT_SCALE_ROWS_WITH_RESIDUAL with a residual) it does so with unit scales into
+    float32, and scale_product (ops/fp8_gemm.py) applies both scales (and the residual's sum) in one rounding;
+    above, _scaled_mm applies them itself, with fast accumulation (FAST_ACCUMULATION), the row counts of
+    SCALED_MM_PADDED padded up to its bound on CUDA. quantize_sum (with residual): the sum's kernel also rounds
+    the summed rows times sum_input_weight [N] (optional: the next projection's folded norm weight) to e4m3
+    for the FP8 projection that reads them next (add_and_quantize_rows): returns (residual, E4M3Rows).
+    Contract: the float64 product of the dequantized operands, to float32 accumulation, or to ~1e-3 of the
+    product's size with fast accumulation over thousands of products (tests/test_fp8_weights.py)."""
+    rows, cols = _count(x), weight.shape[0]
+    dtype = x.dtype
+    if residual is not None and (residual.shape != (rows, cols) or residual.dtype != dtype):
+        raise ValueError(f"residual must be [{rows}, {cols}] in {dtype}, got {tuple(residual.shape)} in {residual.dtype}")
+    if quantize_sum and residual is None:
+        raise ValueError("quantize_sum needs a residual: it rounds the sum")
     if rows == 0:
-        return residual if residual is not None else x.new_empty((0, cols))
+        out = residual if residual is not None else weight.new_empty((0, cols), dtype=dtype)
+        return (out, _e4m3_rows(out, sum_input_weight, backend)) if quantize_sum else out
     if rows <= (UNIT_SCALE_ROWS if residual is None else UNIT_SCALE_ROWS_WITH_RESIDUAL):
-        raw, (scale, _) = _unit_scale_product(x, weight, weight_scale, input_weight, backend)
-        return _pick(backend, x, "fp8_gemm").scale_product(raw, scale, weight_scale, residual, x.dtype)
-    low, high = SCALED_MM_PADDED
-    q, scale = quantize_rows_to_e4m3(x, input_weight, high if x.is_cuda and low < rows < high else None, backend)
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),
-                           out_dtype=x.dtype, use_fast_accum=FAST_ACCUMULATION)[:rows]
-    return out if residual is None else residual.add_(out)
+        product, scales = _unit_scale_product(x, weight, weight_scale, input_weight, backend)
+    else:
+        x = _e4m3_rows(x, input_weight, backend)
+        product = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale.float().reshape(1, -1),
+                                   out_dtype=dtype, use_fast_accum=FAST_ACCUMULATION)[:rows]
+        scales = None
+    if quantize_sum:
+        q, scale = _pick(backend, residual, "fused").add_and_quantize_rows(
+            residual, product, scales, sum_input_weight, _gemm_rows(rows, residual))
+        return residual, E4M3Rows(q, scale, rows, dtype)
+    if scales is not None:
+        return _pick(backend, product, "fp8_gemm").scale_product(product, *scales, residual, dtype)
+    return product if residual is None else residual.add_(product)
 
 
 def fp8_product(x, weight, weight_scale, input_weight=None, backend=None):
     """fp8_matmul's product without a residual, for a kernel that reads it elementwise and applies its scales
     there (the scales of rope_and_write_kv_cache and silu_and_mul): (product, scales). Up to UNIT_SCALE_ROWS rows
     the product is the unit-scale GEMM's, float32 [T, N], and scales = (row_scale [T, 1], weight_scale [N]): the
-    scaling kernel is saved. Otherwise fp8_matmul's finished product, and None."""
-    if 0 < x.shape[0] <= UNIT_SCALE_ROWS:
+    scaling kernel is saved. Otherwise fp8_matmul's finished product, and None. x: as fp8_matmul's."""
+    if 0 < _count(x) <= UNIT_SCALE_ROWS:
         return _unit_scale_product(x, weight, weight_scale, input_weight, backend)
     return fp8_matmul(x, weight, weight_scale, input_weight, backend=backend), None
 
 
+def _count(x):
+    """The rows of fp8_matmul's x: a tensor's, or E4M3Rows' count."""
+    return x.count if isinstance(x, E4M3Rows) else x.shape[0]
+
+
+def _e4m3_rows(x, input_weight, backend, padded=True):
+    """x (a tensor, times input_weight) rounded to e4m3 (E4M3Rows; its rows padded for the row-scaled GEMM
+    unless not padded), or x itself if it comes rounded."""
+    if isinstance(x, E4M3Rows):
+        return x
+    rows = _gemm_rows(x.shape[0], x) if padded else None
+    return E4M3Rows(*quantize_rows_to_e4m3(x, input_weight, rows, backend), x.shape[0], x.dtype)
+
+
 def _unit_scale_product(x, weight, weight_scale, input_weight, backend):
     """(the float32 product of x's quantized rows and weight, unit scales, (x's row scales, weight_scale))."""
-    q, scale = quantize_rows_to_e4m3(x, input_weight, backend=backend)
-    one = _unit_scale(x.device)
+    x = _e4m3_rows(x, input_weight, backend, padded=False)
+    q, scale = x.q[:x.count], x.scale[:x.count]
+    one = _unit_scale(q.device)
     return torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32), (scale, weight_scale)
 
 

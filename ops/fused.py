@@ -5,8 +5,9 @@ references: ops/fused_reference.py).
     rope_and_write_kv_cache(q[T,Hq,D], k[T,Hkv,D], v[T,Hkv,D], cos[P,D], sin[P,D], positions[T],
                             key_cache, value_cache, slot_mapping[T], qk_norm=None, input_norm=None,
                             bias=None) -> q'
-    silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I]
+    silu_and_mul(x[T, 2I], input_norm=None, bias=None, e4m3_rows=None) -> [T, I] (or its rows in e4m3)
     quantize_rows_to_e4m3(x[R, C], input_weight=None, rows=None) -> (float8_e4m3fn [rows, C], float32 [rows, 1])
+    add_and_quantize_rows(residual[R, C], product[R, C], scales=None, input_weight=None, rows=None) -> (q, scale)
 
 Each replaces a chain of small torch kernels by one pass over its inputs, reproducing the chain's
 rounding steps (float32 math, casts to the model dtype where the torch code casts; a folded input norm's
@@ -23,9 +24,14 @@ Kernels:
   scale, so no shuffle is needed. A program of k heads stores them, rotated, straight into the cache
   slot of its token, and copies the same heads of v there (write_kv_cache's work, without a kernel of
   its own or a k' tensor).
-- silu_and_mul: one program per (row, tile of I).
+- silu_and_mul: one program per (row, tile of I); with e4m3_rows (the input of an FP8 down_proj), one
+  program per row in two passes, as quantize_rows_to_e4m3's, which computes the product in each: a kernel
+  and the bfloat16 row's store and loads saved.
 - quantize_rows_to_e4m3 (the activations of an FP8 GEMM): one program per row, two passes over it (its
   largest magnitude, then the quotients), in place of torch's chain of eight kernels.
+- add_and_quantize_rows (an FP8 o_proj's or down_proj's sum into the residual stream, which an FP8
+  projection reads next): one program per row, the sum stored and its largest magnitude found in the first
+  pass, the quotients in the second: the quantization's kernel saved.
 The sampling kernels are in ops/sampling.py.
 """
 import torch
@@ -33,6 +39,10 @@ import triton
 import triton.language as tl
 
 from ops.paged_attention_reference import E4M3_MAX
+
+
+# a torch dtype's Triton type (a kernel's constexpr for roundings in the model's dtype)
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _num_warps(block):
@@ -238,6 +248,32 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
 # silu_and_mul
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _silu_and_mul_tile(x_row, b_ptr, c_ptr, cols, n_inter, s_xc, row_scale, inv, DT: tl.constexpr,
+                       SCALED: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """silu(gate) * up at columns cols (< n_inter) of the row at x_row, rounded in DT as F.silu then the
+    product round it; in float32."""
+    mask = cols < n_inter
+    gate = _projection(x_row, cols * s_xc, b_ptr, c_ptr, cols, mask, row_scale, inv, DT, SCALED, INPUT_NORM, HAS_BIAS)
+    up = _projection(x_row, (cols + n_inter) * s_xc, b_ptr, c_ptr, cols + n_inter, mask, row_scale, inv, DT, SCALED,
+                     INPUT_NORM, HAS_BIAS)
+    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)  # F.silu, rounded
+    return (act * up).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _silu_row_terms(rs_ptr, hid_ptr, row, n_hidden, hid_eps, s_ht, s_hc, SCALED: tl.constexpr,
+                    INPUT_NORM: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+    """(row_scale, inv) of a row: its FP8 product's scale (SCALED) and its folded input norm's (INPUT_NORM); 1 else."""
+    inv = 1.0
+    if INPUT_NORM:
+        inv = _inv_rms(hid_ptr + row * s_ht, s_hc, n_hidden, hid_eps, BLOCK_HIDDEN)
+    row_scale = 1.0
+    if SCALED:
+        row_scale = tl.load(rs_ptr + row)
+    return row_scale, inv
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, b_ptr, c_ptr, rs_ptr, hid_ptr, out_ptr, n_inter, n_hidden, hid_eps, s_x, s_xc, s_ht,
                          s_hc, s_o, s_oc, SCALED: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
@@ -245,38 +281,68 @@ def _silu_and_mul_kernel(x_ptr, b_ptr, c_ptr, rs_ptr, hid_ptr, out_ptr, n_inter,
     DT: tl.constexpr = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_inter
-    inv = 1.0
-    if INPUT_NORM:
-        inv = _inv_rms(hid_ptr + row * s_ht, s_hc, n_hidden, hid_eps, BLOCK_HIDDEN)
-    row_scale = 1.0
-    if SCALED:
-        row_scale = tl.load(rs_ptr + row)
+    row_scale, inv = _silu_row_terms(rs_ptr, hid_ptr, row, n_hidden, hid_eps, s_ht, s_hc, SCALED, INPUT_NORM,
+                                     BLOCK_HIDDEN)
+    out = _silu_and_mul_tile(x_ptr + row * s_x, b_ptr, c_ptr, cols, n_inter, s_xc, row_scale, inv, DT, SCALED,
+                             INPUT_NORM, HAS_BIAS)
+    tl.store(out_ptr + row * s_o + cols * s_oc, out.to(DT), mask=cols < n_inter)
+
+
+@triton.jit
+def _silu_and_mul_e4m3_kernel(x_ptr, b_ptr, c_ptr, rs_ptr, hid_ptr, q_ptr, scale_ptr, n_inter, n_hidden, hid_eps,
+                              s_x, s_xc, s_ht, s_hc, s_q, DT: tl.constexpr, E4M3_MAX: tl.constexpr,
+                              SCALED: tl.constexpr, INPUT_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              BLOCK: tl.constexpr, BLOCK_HIDDEN: tl.constexpr):
+    """_silu_and_mul_kernel's row, rounded in DT, then to e4m3 as _quantize_rows_kernel's: one program per row,
+    two passes (the row's largest magnitude, then the quotients), each computing the product again from x."""
+    row = tl.program_id(0).to(tl.int64)
+    row_scale, inv = _silu_row_terms(rs_ptr, hid_ptr, row, n_hidden, hid_eps, s_ht, s_hc, SCALED, INPUT_NORM,
+                                     BLOCK_HIDDEN)
     x_row = x_ptr + row * s_x
-    gate = _projection(x_row, cols * s_xc, b_ptr, c_ptr, cols, mask, row_scale, inv, DT, SCALED, INPUT_NORM, HAS_BIAS)
-    up = _projection(x_row, (cols + n_inter) * s_xc, b_ptr, c_ptr, cols + n_inter, mask, row_scale, inv, DT, SCALED,
-                     INPUT_NORM, HAS_BIAS)
-    act = (gate / (1.0 + tl.exp(-gate))).to(DT).to(tl.float32)  # F.silu, rounded
-    tl.store(out_ptr + row * s_o + cols * s_oc, (act * up).to(DT), mask=mask)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_inter, BLOCK):
+        out = _silu_and_mul_tile(x_row, b_ptr, c_ptr, start + tl.arange(0, BLOCK), n_inter, s_xc, row_scale, inv,
+                                 DT, SCALED, INPUT_NORM, HAS_BIAS)
+        amax = tl.maximum(amax, tl.abs(out))
+    scale = _e4m3_scale(tl.max(amax, axis=0), E4M3_MAX)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_inter, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        out = _silu_and_mul_tile(x_row, b_ptr, c_ptr, cols, n_inter, s_xc, row_scale, inv, DT, SCALED, INPUT_NORM,
+                                 HAS_BIAS)
+        tl.store(q_ptr + row * s_q + cols, _e4m3_quotient(out, scale, E4M3_MAX).to(q_ptr.dtype.element_ty),
+                 mask=cols < n_inter)
 
 
-def silu_and_mul(x, input_norm=None, bias=None, scales=None, dtype=None):
+def silu_and_mul(x, input_norm=None, bias=None, scales=None, dtype=None, e4m3_rows=None):
     """scales: (row_scale, columns) of an FP8 product still to be scaled, or None; dtype: the output's and the
-    roundings' (default x's)."""
+    roundings' (default x's). e4m3_rows: the output's rows go on to e4m3, as quantize_rows_to_e4m3(out,
+    rows=e4m3_rows) would: (q, scale), in one kernel."""
     T, two_i = x.shape
     inter = two_i // 2
-    out = torch.empty((T, inter), dtype=dtype or x.dtype, device=x.device)
+    dtype = dtype or x.dtype
+    if e4m3_rows is not None:
+        q, scale = _e4m3_outputs(e4m3_rows, inter, x.device)
+    else:
+        out = torch.empty((T, inter), dtype=dtype, device=x.device)
     if T == 0 or inter == 0:
-        return out
+        return out if e4m3_rows is None else (q, scale)
     hidden, n_hidden, s_ht, s_hc, hidden_eps, block_hidden = _input_norm_args(input_norm, x)
-    block = min(1024, triton.next_power_of_2(inter))
     row_scale, columns = (scales[0].contiguous(), scales[1].contiguous()) if scales is not None else (x, x)
-    _silu_and_mul_kernel[(T, triton.cdiv(inter, block))](
-        x, x if bias is None else bias.contiguous(), columns, row_scale, hidden, out, inter, n_hidden, hidden_eps,
-        *x.stride(), s_ht, s_hc, *out.stride(), SCALED=scales is not None, INPUT_NORM=input_norm is not None,
-        HAS_BIAS=bias is not None, BLOCK=block, BLOCK_HIDDEN=block_hidden, num_warps=4,
-    )
-    return out
+    switches = dict(SCALED=scales is not None, INPUT_NORM=input_norm is not None, HAS_BIAS=bias is not None,
+                    BLOCK_HIDDEN=block_hidden)
+    bias = x if bias is None else bias.contiguous()
+    if e4m3_rows is None:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(T, triton.cdiv(inter, block))](
+            x, bias, columns, row_scale, hidden, out, inter, n_hidden, hidden_eps, *x.stride(), s_ht, s_hc,
+            *out.stride(), BLOCK=block, num_warps=4, **switches)
+        return out
+    block = min(4096, triton.next_power_of_2(inter))
+    _silu_and_mul_e4m3_kernel[(T,)](
+        x, bias, columns, row_scale, hidden, q, scale, inter, n_hidden, hidden_eps, *x.stride(), s_ht, s_hc,
+        q.stride(0), DT=TL_DTYPES[dtype], E4M3_MAX=E4M3_MAX, BLOCK=block, num_warps=_num_warps(block), **switches)
+    return q, scale
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,6 +359,18 @@ def _weighted_tile(x_ptr, w_ptr, row, s_x, start, n_cols, HAS_WEIGHT: tl.constex
 
 
 @triton.jit
+def _e4m3_scale(amax, E4M3_MAX: tl.constexpr):
+    """A row's scale from its largest magnitude: amax / 448, 1 for an all-zero row."""
+    return tl.where(amax > 0, amax / E4M3_MAX, 1.0)
+
+
+@triton.jit
+def _e4m3_quotient(v, scale, E4M3_MAX: tl.constexpr):
+    """v / scale within e4m3's finite range, in float32 (its cast to e4m3 rounds to nearest)."""
+    return tl.minimum(tl.maximum(v / scale, -E4M3_MAX), E4M3_MAX)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, s_x, s_q, E4M3_MAX: tl.constexpr,
                           HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -300,24 +378,79 @@ def _quantize_rows_kernel(x_ptr, w_ptr, q_ptr, scale_ptr, n_cols, s_x, s_q, E4M3
     for start in range(0, n_cols, BLOCK):
         _, v = _weighted_tile(x_ptr, w_ptr, row, s_x, start, n_cols, HAS_WEIGHT, BLOCK)
         amax = tl.maximum(amax, tl.abs(v))
-    largest = tl.max(amax, axis=0)
-    scale = tl.where(largest > 0, largest / E4M3_MAX, 1.0)
+    _store_e4m3_row(x_ptr, w_ptr, q_ptr, scale_ptr, row, s_x, s_q, n_cols, amax, E4M3_MAX, HAS_WEIGHT, BLOCK)
+
+
+@triton.jit
+def _store_e4m3_row(x_ptr, w_ptr, q_ptr, scale_ptr, row, s_x, s_q, n_cols, amax, E4M3_MAX: tl.constexpr,
+                    HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    """The second pass over a row: its scale from amax (the tiles' largest magnitudes of x times the weight),
+    then the quotients of the row at x_ptr (times the weight) into q's row."""
+    scale = _e4m3_scale(tl.max(amax, axis=0), E4M3_MAX)
     tl.store(scale_ptr + row, scale)
     for start in range(0, n_cols, BLOCK):
         cols, v = _weighted_tile(x_ptr, w_ptr, row, s_x, start, n_cols, HAS_WEIGHT, BLOCK)
-        q = tl.minimum(tl.maximum(v / scale, -E4M3_MAX), E4M3_MAX)
-        tl.store(q_ptr + row * s_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+        tl.store(q_ptr + row * s_q + cols, _e4m3_quotient(v, scale, E4M3_MAX).to(q_ptr.dtype.element_ty),
+                 mask=cols < n_cols)
+
+
+def _e4m3_outputs(rows, C, device):
+    """q [rows, C] e4m3 and scale [rows, 1] float32, unwritten (rows past the input's stay so: padding)."""
+    return (torch.empty((rows, C), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((rows, 1), dtype=torch.float32, device=device))
 
 
 def quantize_rows_to_e4m3(x, input_weight=None, rows=None):
     R, C = x.shape
     x = x if x.stride(1) == 1 else x.contiguous()
-    q = torch.empty((rows or R, C), dtype=torch.float8_e4m3fn, device=x.device)  # rows past R: not written
-    scale = torch.empty((rows or R, 1), dtype=torch.float32, device=x.device)
+    q, scale = _e4m3_outputs(rows or R, C, x.device)
     if R == 0:
         return q, scale
     block = min(4096, triton.next_power_of_2(C))
     _quantize_rows_kernel[(R,)](x, x if input_weight is None else input_weight.contiguous(), q, scale, C, x.stride(0),
                                 q.stride(0), E4M3_MAX=E4M3_MAX,
                                 HAS_WEIGHT=input_weight is not None, BLOCK=block, num_warps=_num_warps(block))
+    return q, scale
+
+
+# --------------------------------------------------------------------------------------------
+# add_and_quantize_rows: a residual sum, then its rows to e4m3
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _add_and_quantize_kernel(p_ptr, rs_ptr, cs_ptr, r_ptr, w_ptr, q_ptr, scale_ptr, n_cols, s_p, s_r, s_q,
+                             E4M3_MAX: tl.constexpr, SCALED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """One program per row: the sum into the residual's row, tile by tile (scale_product's rounding), and the
+    largest magnitude of the sum times the weight; a second pass reads the row back (the same threads' own
+    stores: the tiles' layout is the same) for the quotients."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        v = tl.load(p_ptr + row * s_p + cols, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            v = v * tl.load(rs_ptr + row) * tl.load(cs_ptr + cols, mask=mask, other=0.0)
+        res = r_ptr + row * s_r + cols
+        total = (v + tl.load(res, mask=mask, other=0.0).to(tl.float32)).to(r_ptr.dtype.element_ty)
+        tl.store(res, total, mask=mask)
+        weighted = total.to(tl.float32)
+        if HAS_WEIGHT:
+            weighted = weighted * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(weighted))
+    _store_e4m3_row(r_ptr, w_ptr, q_ptr, scale_ptr, row, s_r, s_q, n_cols, amax, E4M3_MAX, HAS_WEIGHT, BLOCK)
+
+
+def add_and_quantize_rows(residual, product, scales=None, input_weight=None, rows=None):
+    R, C = residual.shape
+    product = product if product.stride(1) == 1 else product.contiguous()
+    q, scale = _e4m3_outputs(rows or R, C, residual.device)
+    if R == 0:
+        return q, scale
+    row_scale, col_scale = (scales[0].contiguous(), scales[1].contiguous()) if scales is not None else (product, product)
+    block = min(4096, triton.next_power_of_2(C))
+    _add_and_quantize_kernel[(R,)](
+        product, row_scale, col_scale, residual, residual if input_weight is None else input_weight.contiguous(), q,
+        scale, C, product.stride(0), residual.stride(0), q.stride(0), E4M3_MAX=E4M3_MAX, SCALED=scales is not None,
+        HAS_WEIGHT=input_weight is not None, BLOCK=block, num_warps=_num_warps(block))
     return q, scale

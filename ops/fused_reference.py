@@ -12,12 +12,18 @@ torch backend gives bit-identical results to them:
         rotate_half(x) = cat(-x2, x1); with qk_norm = (q_weight[D], k_weight[D], eps), rope of the
         per-head rms_norm over D of each (Qwen3's QK-norm). k' and v are written to the cache through
         slot_mapping (write_kv_cache of ops/paged_attention_reference.py); q' is returned.
-    silu_and_mul(x[T, 2I], input_norm=None, bias=None) -> [T, I] = silu(x[:, :I]) * x[:, I:]
+    silu_and_mul(x[T, 2I], input_norm=None, bias=None, e4m3_rows=None) -> [T, I] = silu(x[:, :I]) * x[:, I:]
+        (e4m3_rows: that product's quantize_rows_to_e4m3(out, rows=e4m3_rows) instead)
     quantize_rows_to_e4m3(x[R, C], input_weight=None, rows=None) -> (q float8_e4m3fn [rows, C], scale float32
                                                                     [rows, 1]):
         x' = x.float() (* input_weight.float()), scale = amax(|x'| per row) / 448 (1 for a zero row),
         q = clamp(x' / scale, -448, 448) rounded to e4m3 (to nearest, ties to even); rows (>= R, default
         R): the rows allocated, those past R padding (zeros here, not written by the Triton kernel)
+    add_and_quantize_rows(residual[R, C], product[R, C], scales=None, input_weight=None, rows=None) -> (q, scale):
+        residual += product in place, summed in float32 and rounded to residual's dtype (scales = (row_scale
+        [R, 1], col_scale [C]): product is an FP8 GEMM's, unscaled, summed as scale_product does), then
+        quantize_rows_to_e4m3(residual, input_weight, rows): a residual stream's sum and its rows rounded for
+        the FP8 projection that reads it next
 
 Folded input norm. Given input_norm = (hidden[T,H], eps), q, k, v (or x) are projections of the raw
 hidden rows by weights that already hold the preceding RMSNorm's weight (W * norm_weight, column-wise),
@@ -83,11 +89,12 @@ def rope_and_write_kv_cache(q, k, v, cos, sin, positions, key_cache, value_cache
     return q if out is None else out.copy_(q)
 
 
-def silu_and_mul(x, input_norm=None, bias=None, scales=None, dtype=None):
+def silu_and_mul(x, input_norm=None, bias=None, scales=None, dtype=None, e4m3_rows=None):
     if scales is not None:
         x = scaled(x, *scales, dtype)
     gate, up = input_normed(x, input_norm, bias).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return out if e4m3_rows is None else quantize_rows_to_e4m3(out, rows=e4m3_rows)
 
 
 def quantize_rows_to_e4m3(x, input_weight=None, rows=None):
@@ -96,3 +103,11 @@ def quantize_rows_to_e4m3(x, input_weight=None, rows=None):
     amax = x.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def add_and_quantize_rows(residual, product, scales=None, input_weight=None, rows=None):
+    if scales is None:
+        residual.add_(product)
+    else:
+        scale_product(product, *scales, residual)
+    return quantize_rows_to_e4m3(residual, input_weight, rows)

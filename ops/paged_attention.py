@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ops import paged_attention_gluon, paged_attention_reference
+from ops.fused import TL_DTYPES
 
 LOG2E = 1.4426950408889634
 
@@ -379,7 +380,8 @@ REDUCE_TILE_ELEMENTS = 16384  # partial-output elements one merge program holds 
 def decode_num_splits(batch, num_kv_heads, max_ctx, device, balance=True):
     """Power-of-two number of KV partitions, from shapes only (no device values); each at least
     SPLIT_MIN_TOKENS of max_ctx on average. balance=False: only as many as fill the GPU (cascade's
-    suffix pass: its contexts are short)."""
+    suffix pass: its contexts are short; the Gluon kernel's launches, which were 5-15% faster with half the
+    balanced count at 16-64 rows over mixed lengths on the H200: benchmarks/NOTES.md, session 32)."""
     programs = batch * num_kv_heads
     sms = sm_count(device)
     want = triton.cdiv(SPLIT_TARGET_WAVES * sms, programs)
@@ -387,9 +389,6 @@ def decode_num_splits(batch, num_kv_heads, max_ctx, device, balance=True):
         want = max(want, min(BALANCE_MAX_SPLITS, triton.cdiv(BALANCE_WAVES * sms, programs)))
     n = min(want, triton.cdiv(max_ctx, SPLIT_MIN_TOKENS), SPLIT_MAX)
     return 1 << (n - 1).bit_length() if n > 1 else 1  # round up to a power of two
-
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def dot_dtype(q, key_cache):
@@ -401,7 +400,7 @@ def dot_dtype(q, key_cache):
         return tl.float32
     if key_cache.dtype in paged_attention_reference.FP8_DTYPES and q.dtype == torch.bfloat16:
         return tl.float16
-    return _TL_DTYPES[q.dtype]
+    return TL_DTYPES[q.dtype]
 
 
 def dot_precision(dtype):
@@ -457,8 +456,7 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
     _, Hkv, bs, _ = key_cache.shape
     split_q = split_query(q, key_cache)
     split = partials is not None
-    if (split_q and ctx_start is None and not short_contexts
-            and paged_attention_gluon.takes(q, key_cache, value_cache, out)):
+    if ctx_start is None and not short_contexts and gluon_takes(q, key_cache, value_cache, out):
         paged_attention_gluon.launch_decode(q, key_cache, value_cache, block_tables, seq_lens, float(scale) * LOG2E,
                                             num_splits, out, partials, first_slot, row_order)
         return
@@ -476,6 +474,11 @@ def launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, num_
         HAS_ORDER=row_order is not None, DOT_PREC=dot_precision(q.dtype), DOT_DTYPE=dot_dtype(q, key_cache),
         SPLIT_QUERY=split_q, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def gluon_takes(q, key_cache, value_cache, out=None):
+    """Whether a split-query decode launch over whole contexts of these tensors runs the Gluon kernel."""
+    return split_query(q, key_cache) and paged_attention_gluon.takes(q, key_cache, value_cache, out)
 
 
 def launch_reduce(partials, out, num_slots, prefix_slots=None, num_prefix_slots=0):
@@ -510,7 +513,7 @@ def paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, sc
     if max_seq_len is not None:
         max_ctx = min(max_ctx, int(max_seq_len))
     if num_splits is None:
-        num_splits = decode_num_splits(B, Hkv, max_ctx, q.device)
+        num_splits = decode_num_splits(B, Hkv, max_ctx, q.device, balance=not gluon_takes(q, key_cache, value_cache, out))
     num_splits = max(1, int(num_splits))
     if num_splits == 1:
         launch_decode(q, key_cache, value_cache, block_tables, seq_lens, scale, 1, out=out, row_order=row_order)

@@ -301,6 +301,119 @@ def test_quantize_rows_pads_to_the_rows_asked(backend):
         ops.quantize_rows_to_e4m3(x, rows=4, backend=backend)
 
 
+def is_e4m3_of_rows(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether (q, scale) is quantize_rows_to_e4m3's formula of x's rows, in float64: scale = amax / 448 (1 for a
+    zero row) to float32's precision, and q * scale within half an e4m3 step of x (3 mantissa bits: 2^-4 of
+    the value; 2^-10 of the scale for the subnormals)."""
+    x = x.double()
+    expected_scale = x.abs().amax(dim=1, keepdim=True) / 448
+    expected_scale[expected_scale == 0] = 1
+    q, scale = q.cpu().double(), scale.cpu().double()
+    return torch.allclose(scale, expected_scale, rtol=1e-6, atol=0) and \
+        bool(((q * scale - x).abs() <= 2 ** -4 * x.abs() + 2 ** -10 * scale).all())
+
+
+def same_e4m3(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether two (q, scale) pairs hold the same bytes and scales."""
+    return torch.equal(a[0].cpu().view(torch.uint8), b[0].cpu().view(torch.uint8)) and torch.equal(a[1].cpu(), b[1].cpu())
+
+
+GPU_TRITON = pytest.param("triton", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=(
+    "Triton's interpreter rounds float32 to e4m3 wrongly (tests/test_fused.py); the GPU runs this case")))
+
+
+@pytest.mark.parametrize("backend", ["torch", GPU_TRITON])
+@pytest.mark.parametrize("rows, cols, scaled, weighted", [(1, 40, False, True), (5, 5000, True, True),
+                                                          (3, 9000, False, False), (0, 16, True, True)])
+def test_add_and_quantize_rows_is_the_sum_then_its_quantization(backend, rows, cols, scaled, weighted):
+    """ops/fused's add_and_quantize_rows (an FP8 projection's sum into the residual stream, its rows then
+    rounded for the next FP8 projection): the residual is the sum rounded once (float64 formula, one rounding
+    to bfloat16), q and scale are the float64 quantization of that stored sum times the weight; and the
+    Triton kernel gives the bytes of the two kernels it replaces (scale_product or the sum, then
+    quantize_rows_to_e4m3). Rows longer than one tile (4,096: the kernel reads its own sums back), none."""
+    generator = torch.Generator().manual_seed(rows * cols + 1)
+    device = "cuda" if backend == "triton" else "cpu"
+    residual = (torch.randn(rows, cols, generator=generator) * 4).to(torch.bfloat16)
+    if rows > 2:
+        residual[2] = 0  # with a zero product below: an all-zero row, scale 1
+    product = torch.randn(rows, cols, generator=generator) * (1e3 if scaled else 3)
+    product[2:3] = 0
+    scales = (torch.rand(rows, 1, generator=generator) / 100, torch.rand(cols, generator=generator) / 50) if scaled else None
+    weight = torch.rand(cols, generator=generator) + 0.5 if weighted else None
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    product = product if scaled else product.to(torch.bfloat16)
+    family = importlib.import_module("ops.fused" if backend == "triton" else "ops.fused_reference")
+    summed = on(residual.clone())
+    q, scale = family.add_and_quantize_rows(summed, on(product), scales and tuple(map(on, scales)), on(weight), rows + 3)
+    assert q.shape == (rows + 3, cols) and scale.shape == (rows + 3, 1)
+    addend = product.double() * (scales[0].double() * scales[1].double() if scaled else 1)
+    total = addend + residual.double()
+    assert torch.allclose(summed.cpu().double(), total, rtol=2 ** -8, atol=1e-6)
+    stored = summed.cpu().double() * (weight.double() if weighted else 1)
+    assert is_e4m3_of_rows(q[:rows], scale[:rows], stored)
+    if backend == "triton":
+        unfused = on(residual.clone())
+        if scaled:
+            importlib.import_module("ops.fp8_gemm").scale_product(on(product), *map(on, scales), unfused)
+        else:
+            unfused.add_(on(product))
+        assert torch.equal(summed, unfused)
+        assert same_e4m3((q[:rows], scale[:rows]), ops.quantize_rows_to_e4m3(unfused, on(weight), backend="triton"))
+
+
+@pytest.mark.parametrize("backend", ["torch", GPU_TRITON])
+@pytest.mark.parametrize("rows, inter, scaled", [(1, 24, False), (6, 5000, True), (0, 8, False)])
+def test_silu_and_mul_to_e4m3_is_its_product_quantized(backend, rows, inter, scaled):
+    """ops.silu_and_mul(..., to_e4m3=True) (an FP8 down_proj's input, rounded in the SiLU's kernel): E4M3Rows
+    whose first rows are the float64 quantization of the product it returns without to_e4m3 (that product is
+    checked against float64 in tests/test_fused.py), its count and dtype; on the GPU the same bytes as
+    that product's quantize_rows_to_e4m3 (the kernel it saves), the rows of a long row in several tiles, with
+    a folded input norm and deferred FP8 scales."""
+    generator = torch.Generator().manual_seed(rows + inter)
+    device = "cuda" if backend == "triton" else "cpu"
+    x = torch.randn(rows, 2 * inter, generator=generator) * 3
+    hidden = torch.randn(rows, 64, generator=generator).to(torch.bfloat16).to(device)
+    extra = {"input_norm": (hidden, 1e-6)}
+    if scaled:
+        extra["scales"] = (torch.rand(rows, 1, generator=generator).to(device) / 10,
+                           torch.rand(2 * inter, generator=generator).to(device))
+    x = (x if scaled else x.to(torch.bfloat16)).to(device)
+    rounded = ops.silu_and_mul(x, backend, to_e4m3=True, **extra)
+    product = ops.silu_and_mul(x, backend, **extra)
+    assert isinstance(rounded, ops.E4M3Rows) and rounded.count == rows and rounded.dtype == torch.bfloat16
+    assert rounded.q.shape == (rows, inter) and product.dtype == torch.bfloat16
+    assert is_e4m3_of_rows(rounded.q, rounded.scale, product.cpu())
+    if backend == "triton":
+        assert same_e4m3((rounded.q, rounded.scale), ops.quantize_rows_to_e4m3(product, backend="triton"))
+
+
+@pytest.mark.parametrize("device", FP8_GEMM_DEVICES)
+@pytest.mark.parametrize("rows", [7, 136, 300])  # the paths of test_fp8_matmul's rows
+def test_fp8_matmul_rounds_its_sum_for_the_next_projection(device, rows):
+    """fp8_matmul's quantize_sum: the residual is what the call without it gives, bit for bit, and the E4M3Rows
+    returned are that sum times the next norm's weight quantized as quantize_rows_to_e4m3 does (the same
+    bytes and scales), padded to the rows fp8_matmul's row-scaled GEMM takes (256 for 129-255 rows on CUDA);
+    fed back into fp8_matmul as its x, they give the product of quantizing the sum there."""
+    generator = torch.Generator().manual_seed(rows)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    x = (torch.randn(rows, 96, generator=generator) * 3).to(dtype).to(device)
+    q_w, w_scale = row_quantized(torch.randn(64, 96, generator=generator) / 10)
+    q_w, w_scale = q_w.to(device), w_scale.reshape(-1).to(device)
+    residual = torch.randn(rows, 64, generator=generator).to(dtype).to(device)
+    next_weight = (torch.rand(64, generator=generator) + 0.5).to(device)
+    plain = ops.fp8_matmul(x, q_w, w_scale, residual=residual.clone())
+    summed, rounded = ops.fp8_matmul(x, q_w, w_scale, residual=residual.clone(), quantize_sum=True,
+                                     sum_input_weight=next_weight)
+    assert torch.equal(summed, plain) and rounded.count == rows and rounded.dtype == dtype
+    assert rounded.q.shape[0] == (256 if device == "cuda" and 128 < rows < 256 else rows)
+    assert same_e4m3((rounded.q[:rows], rounded.scale[:rows]), ops.quantize_rows_to_e4m3(plain, next_weight))
+    q_next, s_next = row_quantized(torch.randn(32, 64, generator=generator) / 10)
+    q_next, s_next = q_next.to(device), s_next.reshape(-1).to(device)
+    assert torch.equal(ops.fp8_matmul(rounded, q_next, s_next), ops.fp8_matmul(plain, q_next, s_next, next_weight))
+    with pytest.raises(ValueError, match="quantize_sum needs a residual"):
+        ops.fp8_matmul(x, q_w, w_scale, quantize_sum=True)
+
+
 @pytest.mark.skipif(len(FP8_GEMM_DEVICES) == 1, reason="needs CUDA of compute capability 8.9 (FP8 GEMMs)")
 def test_quantization_fp8_runs_fp8_gemms_on_such_a_gpu(prompts):
     """bfloat16 on the GPU: the projections stay in e4m3 (a scale per row, a folded norm's weight apart), and

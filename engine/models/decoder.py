@@ -24,7 +24,7 @@ import ops
 from engine.attention import PagedAttention
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec
-from engine.models.layers import PackedLinear, RMSNorm, add_linear_, project_scaled_by_reader
+from engine.models.layers import PackedLinear, RMSNorm, add_linear_, is_fp8, project_scaled_by_reader
 from engine.models.moe import SparseMoeMLP
 from engine.models.rope import Rope, RotaryEmbedding, rope_from_config
 
@@ -67,11 +67,12 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
 
     def project_and_write_kv(self, hidden, input_norm_eps, positions, rotary, key_cache, value_cache, slot_mapping,
-                             out=None):
+                             out=None, hidden_e4m3=None):
         """The projections of the residual stream hidden [T, hidden_size] (the layer's input RMSNorm folded
-        into qkv_proj's weight), then, in one kernel, the norm's row scale, the bias, the QK-norm, RoPE and
-        the step's K/V into the cache -> the rotated q [T, Hq, D] (into out when given)."""
-        qkv, scales = project_scaled_by_reader(hidden, self.qkv_proj)
+        into qkv_proj's weight; hidden_e4m3: its rows already rounded for an FP8 qkv_proj), then, in one
+        kernel, the norm's row scale, the bias, the QK-norm, RoPE and the step's K/V into the cache -> the
+        rotated q [T, Hq, D] (into out when given)."""
+        qkv, scales = project_scaled_by_reader(hidden, self.qkv_proj, hidden_e4m3)
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q, k = q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -88,13 +89,16 @@ class DecoderMLP(nn.Module):
         self.gate_up_proj = PackedLinear(arch.hidden_size, [arch.intermediate_size] * 2, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
-    def add_to(self, hidden, input_norm_eps, all_reduce=None):
+    def add_to(self, hidden, input_norm_eps, all_reduce=None, hidden_e4m3=None, reader=None):
         """hidden += down(silu(gate) * up) of the RMSNorm of hidden, in place (the norm folded into
-        gate_up_proj's weight, its row scale in the SiLU's kernel); all_reduce: add_linear_'s."""
-        gate_up, scales = project_scaled_by_reader(hidden, self.gate_up_proj)
+        gate_up_proj's weight, its row scale in the SiLU's kernel); all_reduce and reader: add_linear_'s, whose
+        result this returns; hidden_e4m3: hidden's rows already rounded for an FP8 gate_up_proj. Above
+        ops.SILU_E4M3_ABOVE_ROWS rows, the SiLU's kernel rounds its rows for an FP8 down_proj itself."""
+        gate_up, scales = project_scaled_by_reader(hidden, self.gate_up_proj, hidden_e4m3)
+        to_e4m3 = is_fp8(self.down_proj) and hidden.shape[0] > ops.SILU_E4M3_ABOVE_ROWS
         act = ops.silu_and_mul(gate_up, input_norm=(hidden, input_norm_eps), bias=self.gate_up_proj.bias,
-                               scales=scales)
-        add_linear_(hidden, act, self.down_proj, all_reduce)
+                               scales=scales, to_e4m3=to_e4m3)
+        return add_linear_(hidden, act, self.down_proj, all_reduce, reader)
 
     def fold_norm(self, norm: RMSNorm, apart=frozenset()) -> None:
         norm.fold_into(self.gate_up_proj, self.gate_up_proj in apart)
@@ -126,20 +130,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def before_attention(self, hidden, positions, rotary, key_cache, value_cache, slot_mapping, q_out=None):
-        """-> the rotated q [T, Hq, D]: everything before attention proper, which needs only the step's tokens."""
+    def before_attention(self, hidden, positions, rotary, key_cache, value_cache, slot_mapping, q_out=None,
+                         hidden_e4m3=None):
+        """-> the rotated q [T, Hq, D]: everything before attention proper, which needs only the step's tokens
+        (hidden_e4m3: after_attention's of the layer before)."""
         return self.self_attn.project_and_write_kv(hidden, self.norm_eps, positions, rotary, key_cache, value_cache,
-                                                   slot_mapping, q_out)
+                                                   slot_mapping, q_out, hidden_e4m3)
 
     def attend(self, q, key_cache, value_cache, meta, out=None):
         """Rotated q [T, Hq, D] -> attention output [T, Hq * D] (a view of out [T, Hq, D] when given)."""
         return self.self_attn.attn.attend(q, key_cache, value_cache, meta, out)
 
-    def after_attention(self, attn_out, hidden):
-        """attention output [T, Hq * D]: hidden += o_proj(attn_out), then hidden += mlp(norm(hidden)) -> hidden."""
-        add_linear_(hidden, attn_out, self.self_attn.o_proj, self.all_reduce)
-        self.mlp.add_to(hidden, self.norm_eps, self.all_reduce)
-        return hidden
+    def after_attention(self, attn_out, hidden, reader=None):
+        """attention output [T, Hq * D]: hidden += o_proj(attn_out), then hidden += mlp(norm(hidden)), in place.
+        reader: the projection that reads hidden next (the next layer's qkv_proj; None after the last layer).
+        Returns hidden's rows rounded for it where both its input and the last sum are FP8 (add_linear_), else
+        None; o_proj's sum rounds them for gate_up_proj in the same way."""
+        hidden_e4m3 = add_linear_(hidden, attn_out, self.self_attn.o_proj, self.all_reduce, self.mlp.norm_reader)
+        return self.mlp.add_to(hidden, self.norm_eps, self.all_reduce, hidden_e4m3, reader)
 
     def fold_norm_weights(self, apart=frozenset()) -> None:
         """The two RMSNorm weights into the projections after them, the norms removed: the function the layer
@@ -250,18 +258,20 @@ class DecoderForCausalLM(nn.Module):
         layer index - 1 finished from attn_out (hidden updated in place; q and attn_out dropped, so that a
         layer's tensors are freed before the next layer's exist); then layer `index` up to its attention (q;
         the step's K/V into kv_cache), or, in the last piece, the final norm (hidden)."""
-        decoder = self.model
+        decoder, last = self.model, index == self.arch.num_hidden_layers
+        hidden_e4m3 = None  # the stream's rows rounded for an FP8 qkv_proj by the sum before it
         if index == 0:
             state.hidden = decoder.embed_tokens(state.input_ids)
         else:
-            decoder.layers[index - 1].after_attention(state.attn_out, state.hidden)
+            reader = None if last else decoder.layers[index].self_attn.qkv_proj
+            hidden_e4m3 = decoder.layers[index - 1].after_attention(state.attn_out, state.hidden, reader)
             state.q = state.attn_out = None
-        if index == self.arch.num_hidden_layers:
+        if last:
             state.hidden = decoder.norm(state.hidden)
             return
         state.q = decoder.layers[index].before_attention(
             state.hidden, state.positions, decoder.rotary, kv_cache.key_caches[index], kv_cache.value_caches[index],
-            state.slot_mapping, state.q_out)
+            state.slot_mapping, state.q_out, hidden_e4m3)
 
     def attend(self, index: int, q, kv_cache, meta, out=None):
         """Layer `index`'s attention, between piece index and piece index + 1: its rotated q [T, Hq, D] ->

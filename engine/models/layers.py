@@ -1,7 +1,7 @@
 """Layers shared by the decoders: RMSNorm over the fused norm kernel (and its weight folded into a linear
 layer), project (a linear layer's matmul, FP8 or not; project_scaled_by_reader, one whose FP8 scales the next
-kernel applies), add_linear_ (a residual sum inside a matmul), and
-PackedLinear, several checkpoint projections of the same input computed as one matmul."""
+kernel applies), add_linear_ (a residual sum inside a matmul, which can round the sum for the FP8 projection
+after it), and PackedLinear, several checkpoint projections of the same input computed as one matmul."""
 import torch
 from torch import nn
 
@@ -30,40 +30,58 @@ class RMSNorm(nn.Module):
             linear.weight.mul_(self.weight)
 
 
-def project(x: torch.Tensor, linear: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
+def is_fp8(module: nn.Module | None) -> bool:
+    """Whether module is a linear layer whose weight is stored in FP8 (it runs W8A8: project)."""
+    return isinstance(module, nn.Linear) and module.weight.dtype == torch.float8_e4m3fn
+
+
+def project(x: torch.Tensor | ops.E4M3Rows, linear: nn.Linear, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ linear's weight^T, without its bias: an FP8 weight (weight_scale per row, the input_weight of a
     norm folded apart) through ops.fp8_matmul (W8A8), which adds the product into residual, if given, in
-    place; else one matmul (residual: unused, see add_linear_)."""
-    if linear.weight.dtype != torch.float8_e4m3fn:
+    place, and takes x already rounded to e4m3 (ops.E4M3Rows, the kernel before's); else one matmul
+    (residual: unused, see add_linear_)."""
+    if not is_fp8(linear):
         return torch.nn.functional.linear(x, linear.weight)
     input_weight = getattr(linear, "input_weight", None)
     return ops.fp8_matmul(x, linear.weight, linear.weight_scale, input_weight, residual)
 
 
-def project_scaled_by_reader(x: torch.Tensor, linear: nn.Linear) -> tuple[torch.Tensor, tuple | None]:
+def project_scaled_by_reader(x: torch.Tensor, linear: nn.Linear,
+                             x_e4m3: ops.E4M3Rows | None = None) -> tuple[torch.Tensor, tuple | None]:
     """project's product for a kernel that reads it elementwise (the RoPE and SiLU kernels: their scales=):
     (product, scales), where an FP8 weight's product of a few rows comes unscaled, float32, with its (row,
-    column) scales for that kernel to apply, which saves a kernel (ops.fp8_product); else project's and None."""
-    if linear.weight.dtype != torch.float8_e4m3fn:
+    column) scales for that kernel to apply, which saves a kernel (ops.fp8_product); else project's and None.
+    x_e4m3: x's rows already rounded for this FP8 linear (add_linear_'s), used in x's place."""
+    if not is_fp8(linear):
         return project(x, linear), None
-    return ops.fp8_product(x, linear.weight, linear.weight_scale, getattr(linear, "input_weight", None))
+    return ops.fp8_product(x if x_e4m3 is None else x_e4m3, linear.weight, linear.weight_scale,
+                           getattr(linear, "input_weight", None))
 
 
-def add_linear_(residual: torch.Tensor, x: torch.Tensor, linear: nn.Linear, all_reduce=None) -> torch.Tensor:
+def add_linear_(residual: torch.Tensor, x: torch.Tensor | ops.E4M3Rows, linear: nn.Linear, all_reduce=None,
+                reader: nn.Module | None = None) -> ops.E4M3Rows | None:
     """residual += linear(x), in place: the matmul adds into residual as it writes (addmm's beta = 1), so
     the sum takes no kernel of its own (an FP8 weight's: project's residual, summed inside fp8_matmul's
     scaling kernel, or after a GEMM of more rows). all_reduce: a
     row-parallel linear's (engine/models/tensor_parallel.py): x @ W^T is this rank's partial sum, summed
-    over the ranks before it joins residual."""
+    over the ranks before it joins residual. reader: the module that reads residual next. Where it and
+    linear are FP8 and nothing comes between (no all_reduce, no bias), the kernel of the sum also rounds
+    residual's rows for reader (ops.fp8_matmul's quantize_sum), and returns them (reader's x_e4m3), which saves
+    reader's quantization kernel; else None."""
     if all_reduce is not None:
         partial = project(x, linear)
         all_reduce(partial)
         residual.add_(partial)
-    elif linear.weight.dtype == torch.float8_e4m3fn:
+    elif is_fp8(linear) and linear.bias is None and is_fp8(reader):
+        return ops.fp8_matmul(x, linear.weight, linear.weight_scale, getattr(linear, "input_weight", None), residual,
+                              quantize_sum=True, sum_input_weight=getattr(reader, "input_weight", None))[1]
+    elif is_fp8(linear):
         project(x, linear, residual)
     else:
         residual.addmm_(x, linear.weight.t())
-    return residual if linear.bias is None else residual.add_(linear.bias)
+    if linear.bias is not None:
+        residual.add_(linear.bias)
+    return None
 
 
 class PackedLinear(nn.Linear):

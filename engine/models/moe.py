@@ -41,9 +41,11 @@ class SparseMoeMLP(nn.Module):
         self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # the router
         self.experts = StackedExperts(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size)
 
-    def add_to(self, hidden, input_norm_eps, all_reduce=None):
+    def add_to(self, hidden, input_norm_eps, all_reduce=None, hidden_e4m3=None, reader=None):
         """hidden += the routed experts' sum of the RMSNorm of hidden, in place; all_reduce: tensor
-        parallelism's, which sums the ranks' partial sums (each holds a slice of every expert's width)."""
+        parallelism's, which sums the ranks' partial sums (each holds a slice of every expert's width).
+        DecoderMLP.add_to's other arguments are unused: the router reads hidden itself (this module is no FP8
+        linear, so none comes rounded), and the sum rounds nothing for the next layer (returns None)."""
         normed = ops.rms_norm(hidden, self.input_weight, input_norm_eps)
         weights, ids = ops.moe_route(self.gate(normed), self.top_k, self.renormalize)
         routed = ops.moe_experts(normed, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
