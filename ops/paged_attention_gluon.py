@@ -114,7 +114,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, order_ptr, out_ptr
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, tile_l))
     offs_ns = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_l))
     m_i = gl.full([BLOCK_G], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_l))
-    l_i = gl.zeros([BLOCK_G], gl.float32, layout=gl.SliceLayout(0, s_l))
+    # each thread's share of the softmax sum, reduced across warps once after the loop: a reduction a tile
+    # costs barriers, and dropping them took 6-13% off the kernel (benchmarks/NOTES.md, session 33)
+    l_part = gl.zeros([BLOCK_N, BLOCK_G], gl.float32, layout=s_l)
     acc = gl.zeros([D, BLOCK_G], gl.float32, layout=o_l)
     s_zero = gl.zeros([BLOCK_N, BLOCK_G], gl.float32, layout=s_l)
     bt_row = bt_ptr + b.to(gl.int64) * s_btb
@@ -143,7 +145,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, order_ptr, out_ptr
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
+        l_part = l_part * alpha[None, :] + p
         p_smem.store(p.to(gl.float16))
         fence_async_shared()
         _barrier()
@@ -153,7 +155,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, seqlen_ptr, order_ptr, out_ptr
         _barrier()  # every warp is done with this tile's buffers before they are refilled
     async_copy.wait_group(0)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(0, o_l))
+    l_o = gl.convert_layout(gl.sum(l_part, axis=0), gl.SliceLayout(0, o_l))
     l_safe = gl.where(l_o > 0.0, l_o, 1.0)
     res = acc / l_safe[None, :]
     offs_do = gl.arange(0, D, layout=gl.SliceLayout(1, o_l))
