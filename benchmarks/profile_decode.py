@@ -161,10 +161,11 @@ def phases(engine, run) -> None:
     timed(engine.runner, "launch", totals, "launch")
     timed(engine.runner, "prepare", totals, "prepare")
     timed(engine.runner, "forward", totals, "forward")
-    timed(engine.runner, "tokens", totals, "wait for tokens")
+    timed(engine, "_tokens", totals, "wait for tokens")
     wall, steps = run()
-    for name in ("schedule", "launch", "prepare", "forward", "tokens"):
-        owner = engine.scheduler if name == "schedule" else engine.runner
+    owners = {"schedule": engine.scheduler, "launch": engine.runner, "prepare": engine.runner,
+              "forward": engine.runner, "_tokens": engine}
+    for name, owner in owners.items():
         delattr(owner, name)  # the instance's wrapper goes; the class's method is back
     rest = wall - totals["schedule"] - totals["launch"] - totals["wait for tokens"]
     print("host per step, ms: " + ", ".join(f"{k} {v / steps * 1e3:.3f}" for k, v in totals.items())

@@ -23,6 +23,8 @@ hashes: so each full block is hashed once, when the host learns its last token i
 the scheduler first considers it for admission, a decode token's one step after its slot is allocated),
 and the hashes survive a preemption. Kept here, they would go
 with the state at a preemption, and a waiting prompt would be hashed again at each admission attempt.
+A prompt takes the hashes of the full blocks it shares with the prompt hashed before it
+(RecentPromptHashes) and hashes only the rest.
 The methods that take a seq read only its block_hashes, token ids and scores_prompt; this module does
 not import engine/sequence.py, which imports it (for SequenceState).
 
@@ -97,6 +99,40 @@ def extend_block_hashes(hashes: list[bytes], new_token_ids, block_size: int) -> 
     return hashes
 
 
+def leading_equal_blocks(a: list[int], b: list[int], block_size: int, limit: int) -> int:
+    """How many leading full blocks (at most `limit`) two token lists agree on: the first block alone, then
+    one slice comparison when they agree on all, else a bisection over slices (about twice the tokens)."""
+    agree, disagree = 0, min(limit, len(a) // block_size, len(b) // block_size)
+    if disagree == 0 or a[:block_size] != b[:block_size]:
+        return 0
+    if a[:disagree * block_size] == b[:disagree * block_size]:
+        return disagree
+    while disagree - agree > 1:  # a and b agree on blocks [0, agree) and differ within [0, disagree)
+        mid = (agree + disagree) // 2
+        if a[agree * block_size:mid * block_size] == b[agree * block_size:mid * block_size]:
+            agree = mid
+        else:
+            disagree = mid
+    return agree
+
+
+class RecentPromptHashes:
+    """The token ids and block hashes of the last sequence hashed from its first block. A block's hash
+    names the whole prefix up to its end, so the next sequence that begins with the same full blocks (a
+    shared system prompt or few-shot block, the rows of a shared-prefix batch) takes their hashes as they
+    are and hashes only the blocks after them. Invariant: len(hashes) == len(token_ids) // block_size."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.token_ids, self.hashes = block_size, [], []
+
+    def hashes_of(self, token_ids: list[int]) -> list[bytes]:
+        """extend_block_hashes([], token_ids, block_size), reusing the blocks shared with the last call's."""
+        shared = leading_equal_blocks(token_ids, self.token_ids, self.block_size, len(self.hashes))
+        hashes = extend_block_hashes(self.hashes[:shared], token_ids[shared * self.block_size:], self.block_size)
+        self.token_ids, self.hashes = token_ids, hashes
+        return list(hashes)
+
+
 @dataclass
 class SequenceState:
     """Block-level state of one live sequence: its length in stored tokens (the one count of them: a
@@ -133,6 +169,7 @@ class KVBlockManager:
         self.ref_counts: list[int] = [0] * num_physical_blocks
         self.block_hash: list[bytes | None] = [None] * num_physical_blocks
         self.cached_block_of: dict[bytes, int] = {}
+        self.recent_prompt = RecentPromptHashes(block_size)  # hashing's memo: a prompt's blocks shared with the last one
         self.sequences: dict[int, SequenceState] = {}
         # every live block table as a numpy row, -1 padded (grown by doubling): block_tables are one gather
         self.table_rows = np.full((0, 0), -1, dtype=np.int32)
@@ -164,13 +201,8 @@ class KVBlockManager:
         """Physical blocks of the longest leading run of hashes in the cache index (read-only)."""
         if not self.enable_prefix_caching:
             return []
-        blocks = []
-        for block_hash in hashes:
-            block = self.cached_block_of.get(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        blocks = list(map(self.cached_block_of.get, hashes))  # one C loop; a shared prompt has hundreds
+        return blocks[:blocks.index(None)] if None in blocks else blocks
 
     def cached_prefix(self, seq, samples=()) -> list[int]:
         """The cached blocks an admission of seq starts with: match_prefix of its hashes, short of the
@@ -182,7 +214,7 @@ class KVBlockManager:
 
     def can_admit(self, num_tokens: int, prefix_blocks) -> bool:
         """Whether a new sequence of num_tokens tokens starting with prefix_blocks would fit."""
-        taken_from_cache = sum(1 for b in prefix_blocks if self.ref_counts[b] == 0)
+        taken_from_cache = list(map(self.ref_counts.__getitem__, prefix_blocks)).count(0)
         new_blocks = blocks_needed(num_tokens, self.block_size) - len(prefix_blocks)
         return new_blocks <= self.num_free_blocks - taken_from_cache
 
@@ -207,12 +239,15 @@ class KVBlockManager:
         prefix_blocks = list(prefix_blocks)
         if len(set(prefix_blocks)) != len(prefix_blocks):
             raise ValueError(f"sequence {sequence_id}: prefix_blocks {prefix_blocks} repeat a block")
+        if prefix_blocks and (min(prefix_blocks) < 0 or max(prefix_blocks) >= self.num_physical_blocks
+                              or None in map(self.block_hash.__getitem__, prefix_blocks)):
+            block = next(b for b in prefix_blocks if not 0 <= b < self.num_physical_blocks or self.block_hash[b] is None)
+            raise ValueError(f"sequence {sequence_id}: prefix block {block} is not a cached block")
+        ref_counts = self.ref_counts
         for block in prefix_blocks:
-            if not 0 <= block < self.num_physical_blocks or self.block_hash[block] is None:
-                raise ValueError(f"sequence {sequence_id}: prefix block {block} is not a cached block")
-        for block in prefix_blocks:
-            self.ref_counts[block] += 1
-            self.cached_blocks.pop(block, None)
+            if ref_counts[block] == 0:  # cached: it leaves the evictable set
+                self.cached_blocks.pop(block)
+            ref_counts[block] += 1
         return self._add_state(SequenceState(sequence_id, len(prefix_blocks) * self.block_size, prefix_blocks,
                                              len(prefix_blocks)))
 
@@ -363,8 +398,11 @@ class KVBlockManager:
         if not self.enable_prefix_caching or seq.scores_prompt:
             return
         num_hashed = len(seq.block_hashes)
-        extend_block_hashes(seq.block_hashes, seq.token_slice(num_hashed * self.block_size, seq.num_known_tokens),
-                            self.block_size)
+        known = seq.token_slice(num_hashed * self.block_size, seq.num_known_tokens)
+        if num_hashed:
+            extend_block_hashes(seq.block_hashes, known, self.block_size)
+        else:
+            seq.block_hashes.extend(self.recent_prompt.hashes_of(known))
         if len(seq.block_hashes) > num_hashed:
             for sample in samples:
                 sample.block_hashes = list(seq.block_hashes)

@@ -307,6 +307,7 @@ class LLMEngine:
             self.stats.token_resolved()
         if logprobs is not None:
             logprobs.add_prompts()
+        eos, caching, block_size = self.eos_token_ids, self.prefix_caching, self.block_size
         for row, (seq, index, token) in enumerate(zip(step.seqs, step.output_index, tokens)):
             if seq.status is Status.FINISHED:
                 continue  # stopped by the token before: this one was drawn past the end
@@ -315,12 +316,17 @@ class LLMEngine:
                 logprobs.add_output(seq, row)
             if seq.constraint is not None:
                 seq.constraint.advance(seq.output_token_ids, index + 1)
-            reason = self._finish_reason(seq, token, index)
-            if reason:
-                seq.truncate_outputs(index + 1)  # a token drawn after the stop, still in flight
-                self.scheduler.finish(seq, reason)
-                finished.append(seq)
-            elif self.prefix_caching and (len(seq.prompt_token_ids) + index + 1) % self.block_size == 0:
+            num_tokens = len(seq.prompt_token_ids) + index + 1
+            # what can end a sequence, tested first: most rows of a step end nothing (one pass a row a step)
+            if (num_tokens >= seq.max_num_tokens or token in eos or seq.sampling.stop_token_ids
+                    or seq.detokenizer is not None or seq.constraint is not None):
+                reason = self._finish_reason(seq, token, index)
+                if reason:
+                    seq.truncate_outputs(index + 1)  # a token drawn after the stop, still in flight
+                    self.scheduler.finish(seq, reason)
+                    finished.append(seq)
+                    continue
+            if caching and num_tokens % block_size == 0:
                 self.block_manager.register_known_blocks(seq)
         return finished
 

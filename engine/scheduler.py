@@ -164,10 +164,11 @@ class Scheduler:
         """The running sequences that decode (their next token is their only uncomputed one, and they may
         draw it) and those still prefilling, in running order: one pass over the properties."""
         decoding, prefilling = [], []
-        for seq in self.running:
-            left = seq.num_uncomputed_tokens
+        for seq in self.running:  # the properties' arithmetic inlined: this runs for every row of every step
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            left = num_tokens - seq.block_state.sequence_length  # a running sequence has its block state
             if left == 1:
-                if not seq.is_capped:
+                if num_tokens < seq.max_num_tokens:  # not is_capped
                     decoding.append(seq)
             elif left > 1:
                 prefilling.append(seq)

@@ -359,6 +359,9 @@ DECODE_CFG = {
     # the cascade's suffix pass: each row's own context is short, so a smaller last tile wastes less
     # (benchmarks/NOTES.md, version 26)
     "gpu_short": dict(BLOCK_N=32, num_warps=4, num_stages=2),
+    # head_dim <= 64 (Qwen2.5-0.5B, Llama-3.2-1B): the fastest of 12 tiles on the H200 over 4 shapes, 10-18%
+    # faster than "gpu" there (benchmarks/NOTES.md, session 34)
+    "gpu_small_d": dict(BLOCK_N=64, num_warps=2, num_stages=2),
     "gpu_fp32": dict(BLOCK_N=32, num_warps=4, num_stages=2),
     # an FP8 cache the split query does not take: the fastest of 24 tiles on the H200 over 3 shapes
     # (benchmarks/NOTES.md, sessions 25 and 27)
@@ -432,7 +435,9 @@ def decode_cfg(q, key_cache, short_contexts=False, split=False):
         return DECODE_CFG["gpu_short"]
     if split:
         return DECODE_CFG["gpu_fp8_split_query"]
-    return DECODE_CFG["gpu_fp8" if key_cache.dtype in paged_attention_reference.FP8_DTYPES else "gpu"]
+    if key_cache.dtype in paged_attention_reference.FP8_DTYPES:
+        return DECODE_CFG["gpu_fp8"]
+    return DECODE_CFG["gpu_small_d" if q.shape[2] <= 64 else "gpu"]
 
 
 def decode_partials(q, num_slots):

@@ -5,13 +5,13 @@ import hashlib
 import struct
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.block_manager import (
-    DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError,
-    extend_block_hashes,
+    DuplicateSequenceError, KVBlockManager, OutOfBlocksError, RecentPromptHashes, UnknownSequenceError,
+    extend_block_hashes, leading_equal_blocks,
 )
 from engine.sequence import SamplingParams, Sequence
 
@@ -137,6 +137,50 @@ def test_hash_format_and_chaining():
     assert extend_block_hashes(hashes, [3, 4, 5], 2) is same and len(hashes) == 2  # from position 2 on
     assert hashes == [block_digest(b"", [1, 2]), block_digest(block_digest(b"", [1, 2]), [3, 4])]
     assert extend_block_hashes([], [7, 7, 1, 2], 2)[1] != hashes[1]  # same block tokens, other prefix
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40),
+       st.integers(1, 5), st.integers(0, 12))
+def test_leading_equal_blocks_is_the_longest_run_of_equal_blocks(a, b, block_size, limit):
+    """Against a block-by-block scan (small alphabets, so runs of equal blocks are common)."""
+    expected = 0
+    while (expected < limit and (expected + 1) * block_size <= min(len(a), len(b))
+           and a[expected * block_size:(expected + 1) * block_size] == b[expected * block_size:(expected + 1) * block_size]):
+        expected += 1
+    assert leading_equal_blocks(a, b, block_size, limit) == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 16), st.lists(st.tuples(st.integers(0, 70), st.lists(st.integers(0, 2**40), max_size=40)),
+                                    min_size=1, max_size=6))
+def test_recent_prompt_hashes_equal_hashing_from_scratch(block_size, prompts):
+    """Each prompt keeps a random part of the one before (ending inside a block, on its edge, or
+    past its end) and adds its own tokens: the memo's hashes are extend_block_hashes' from scratch."""
+    memo, previous = RecentPromptHashes(block_size), list(range(60))
+    for keep, own in prompts:
+        prompt = previous[:keep] + own
+        assert memo.hashes_of(prompt) == extend_block_hashes([], prompt, block_size)
+        previous = prompt
+
+
+def test_recent_prompt_hashes_hash_only_the_blocks_after_the_shared_ones(monkeypatch):
+    """A second prompt sharing 10 full blocks and 3 tokens with the first hashes only its blocks from the 11th on;
+    a sequence of the manager with hashes already (outputs) extends them without the memo."""
+    calls = []
+    real = hashlib.blake2b
+    monkeypatch.setattr(hashlib, "blake2b", lambda data, **kw: calls.append(data) or real(data, **kw))
+    manager = KVBlockManager(num_physical_blocks=64, block_size=4)
+    first = Sequence(0, "a", list(range(100, 150)), SamplingParams(), 64)   # 12 full blocks
+    second = Sequence(1, "b", list(range(100, 143)) + [7] * 9, SamplingParams(), 64)  # 13 full blocks
+    manager.hash_known_blocks(first)
+    assert len(calls) == 12
+    manager.hash_known_blocks(second)
+    assert len(calls) == 12 + 3 and second.block_hashes == extend_block_hashes([], second.prompt_token_ids, 4)
+    second.output_token_ids += [1, 2, 3, 4]   # a 14th full block
+    manager.hash_known_blocks(second)
+    assert len(calls) == 12 + 3 + 13 + 1 and len(second.block_hashes) == 14
+    assert second.block_hashes == extend_block_hashes([], second.prompt_token_ids + [1, 2, 3, 4], 4)
 
 
 def test_failures_change_nothing():
