@@ -26,11 +26,13 @@ GRAPH_CALLS = 8  # calls a timed graph holds
 COPY_BYTES_PER_S = 4.2e12  # the H200's measured copy speed (engine/hardware.py's, as the bench logs it)
 BLOCK_M = (16, 32, 64, 128)
 SWEPT_TOKENS = [1, 4, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384]  # every decode batch size has one near
-GATE_UP = [Tiles(n, k, w, s) for n, k, w, s in
+# (block_n, block_k, warps, stages[, group_m]): the grouped order (ops/moe.py _program_tile) for the prefill-sized tiles
+GATE_UP = [Tiles(*t) for t in
            [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-            (128, 128, 8, 3)]]
-DOWN = [Tiles(n, k, w, s) for n, k, w, s in
-        [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]]
+            (128, 128, 8, 3), (64, 64, 4, 3, 8), (128, 64, 8, 3, 8), (128, 128, 8, 3, 8)]]
+DOWN = [Tiles(*t) for t in
+        [(32, 128, 4, 4), (64, 64, 4, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3),
+         (128, 64, 4, 3, 8), (128, 64, 8, 3, 8)]]
 
 
 def timed_us(call) -> float:

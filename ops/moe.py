@@ -91,23 +91,39 @@ def _place_kernel(ids_ptr, cursor_ptr, pair_ptr, pairs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _block_tile(pair_ptr, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's tile: the pairs of its block of BLOCK_M sorted rows (-1: padding; live marks the
-    others) and its BLOCK_N output columns (col_mask: those < num_cols)."""
-    pair = tl.load(pair_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _program_tile(num_blocks, num_col_tiles, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program. GROUP_M 0: a 2D grid's (program_id 0, program_id 1), the
+    row blocks of a column tile next to each other. GROUP_M > 0: a 1D grid walked GROUP_M row blocks at a
+    time, every column tile of a group before the next group, so that the programs in flight share their
+    rows of the input and their expert's weights in L2 (the grouped order of Triton's matmul tutorial)."""
+    if GROUP_M == 0:
+        return tl.program_id(0), tl.program_id(1)
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_col_tiles
+    first = pid // per_group * GROUP_M
+    size = tl.minimum(num_blocks - first, GROUP_M)
+    return first + pid % per_group % size, pid % per_group // size
+
+
+@triton.jit
+def _block_tile(pair_ptr, block, col_tile, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's tile: the pairs of row block `block` (BLOCK_M sorted rows; -1: padding; live marks the
+    others) and the BLOCK_N output columns of `col_tile` (col_mask: those < num_cols)."""
+    pair = tl.load(pair_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     return pair, pair >= 0, cols, cols < num_cols
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
-                    s_xt, s_we, s_wr, s_wc, s_ot,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
-    expert = tl.load(expert_ptr + tl.program_id(0))
+                    s_xt, s_we, s_wr, s_wc, s_ot, num_blocks, num_col_tiles,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    block, col_tile = _program_tile(num_blocks, num_col_tiles, GROUP_M)
+    expert = tl.load(expert_ptr + block)
     if expert < 0:
         return
-    pair, live, cols, col_mask = _block_tile(pair_ptr, I, BLOCK_M, BLOCK_N)
+    pair, live, cols, col_mask = _block_tile(pair_ptr, block, col_tile, I, BLOCK_M, BLOCK_N)
     token = tl.where(live, pair // top_k, 0)
     w = w_ptr + expert.to(tl.int64) * s_we
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -133,13 +149,14 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
-                 s_ht, s_we, s_wr, s_wc, s_ot,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                 DOT_PREC: tl.constexpr):
-    expert = tl.load(expert_ptr + tl.program_id(0))
+                 s_ht, s_we, s_wr, s_wc, s_ot, num_blocks, num_col_tiles,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    block, col_tile = _program_tile(num_blocks, num_col_tiles, GROUP_M)
+    expert = tl.load(expert_ptr + block)
     if expert < 0:
         return
-    pair, live, cols, col_mask = _block_tile(pair_ptr, H, BLOCK_M, BLOCK_N)
+    pair, live, cols, col_mask = _block_tile(pair_ptr, block, col_tile, H, BLOCK_M, BLOCK_N)
     safe = tl.where(live, pair, 0).to(tl.int64)
     w = w_ptr + expert.to(tl.int64) * s_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -159,12 +176,14 @@ def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
 
 @dataclass(frozen=True)
 class Tiles:
-    """One kernel's launch: BLOCK_N output columns, BLOCK_K of the reduction a step, its warps and stages."""
+    """One kernel's launch: BLOCK_N output columns, BLOCK_K of the reduction a step, its warps and stages,
+    and the programs' order (group_m: _program_tile's GROUP_M; 0, the row blocks of a column tile together)."""
 
     block_n: int = 64
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 3  # Triton's own default on CUDA, which the measured figures ran with
+    group_m: int = 0
 
 
 DEFAULT_TILES = Tiles()
@@ -231,18 +250,24 @@ def moe_experts(x, gate_up, down, weights, ids, block_m: int | None = None, gate
     per_pair = torch.empty((T * k, H), dtype=x.dtype, device=x.device)  # every pair's row is written
     upcast, precision = not x.is_cuda, dot_precision(x.dtype)  # float32: exact products, not TF32
     x = x.contiguous()
+    blocks = expert_of_block.numel()
     n, kk = _fitted(gate_up_tiles, inter, H)
-    _gate_up_kernel[(expert_of_block.numel(), triton.cdiv(inter, n))](
+    _gate_up_kernel[_grid(blocks, triton.cdiv(inter, n), gate_up_tiles)](
         x, gate_up, hidden, pair_of_row, expert_of_block, k, H, inter, x.stride(0), *gate_up.stride(), hidden.stride(0),
-        BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, UPCAST=upcast, DOT_PREC=precision,
-        num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages)
+        blocks, triton.cdiv(inter, n), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, GROUP_M=gate_up_tiles.group_m,
+        UPCAST=upcast, DOT_PREC=precision, num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages)
     n, kk = _fitted(down_tiles, H, inter)
-    _down_kernel[(expert_of_block.numel(), triton.cdiv(H, n))](
+    _down_kernel[_grid(blocks, triton.cdiv(H, n), down_tiles)](
         hidden, down, weights.reshape(-1).contiguous(), per_pair, pair_of_row, expert_of_block, H, inter,
-        hidden.stride(0), *down.stride(), per_pair.stride(0),
-        BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, UPCAST=upcast, DOT_PREC=precision,
+        hidden.stride(0), *down.stride(), per_pair.stride(0), blocks, triton.cdiv(H, n),
+        BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, GROUP_M=down_tiles.group_m, UPCAST=upcast, DOT_PREC=precision,
         num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages)
     return per_pair.view(T, k, H).sum(dim=1)
+
+
+def _grid(blocks: int, col_tiles: int, tiles: Tiles) -> tuple[int, ...]:
+    """The launch grid of _program_tile's order for tiles.group_m."""
+    return (blocks * col_tiles,) if tiles.group_m else (blocks, col_tiles)
 
 
 def _fitted(tiles: Tiles, cols: int, depth: int) -> tuple[int, int]:

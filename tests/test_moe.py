@@ -147,6 +147,8 @@ def test_moe_ops_match_a_float64_loop(backend, tokens, top_k, renormalize, poiso
 @pytest.mark.parametrize("block_m, gate_up_tiles, down_tiles", [
     (32, Tiles(block_n=16, block_k=16), Tiles(block_n=16, block_k=16)),  # tiles narrower than the matrices
     (64, Tiles(block_n=128, block_k=128, num_warps=8, num_stages=3), Tiles(block_n=32, block_k=64)),  # wider
+    # the grouped program order: groups of 2 and of 3 row blocks (the last group short), 1D grids
+    (16, Tiles(block_n=16, block_k=16, group_m=2), Tiles(block_n=16, block_k=32, group_m=3)),
 ])
 def test_the_experts_tiles_change_nothing_but_speed(block_m, gate_up_tiles, down_tiles, poisoned_empty):
     """The Triton experts with other tiles than the defaults, against the float64 loop: 37 tokens, top-2 of 8."""
