@@ -13,6 +13,7 @@ Usage: OMP_NUM_THREADS=1 python benchmarks/host_step.py [--seqs 256] [--logprobs
 """
 import argparse
 import cProfile
+import itertools
 import pstats
 import sys
 import time
@@ -65,12 +66,12 @@ def main() -> None:
     engine = stubbed_engine(args.seqs + args.rounds * args.admit)
     max_tokens = (args.rounds + 2) * args.steps + 20  # no sequence finishes while timed
     prefix = [j % 97 + 1 for j in range(args.prefix)]
-    requests = (str(i) for i in range(10**9))
+    request_ids = map(str, itertools.count())
 
     def add_requests(count: int) -> None:
         for i in range(count):
             prompt = prefix + [(j * 7 + i) % 250 + 1 for j in range(PROMPT_LEN)]
-            engine.add_request(next(requests), prompt, SamplingParams(
+            engine.add_request(next(request_ids), prompt, SamplingParams(
                 temperature=0.6, max_tokens=max_tokens, ignore_eos=True, logprobs=args.logprobs))
     add_requests(args.seqs)
     for _ in range(10):  # the prefill, then decode steps
