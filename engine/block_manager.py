@@ -126,11 +126,12 @@ class RecentPromptHashes:
         self.block_size, self.token_ids, self.hashes = block_size, [], []
 
     def hashes_of(self, token_ids: list[int]) -> list[bytes]:
-        """extend_block_hashes([], token_ids, block_size), reusing the blocks shared with the last call's."""
+        """extend_block_hashes([], token_ids, block_size), reusing the blocks shared with the last call's: the
+        memo's own list, to be copied, not changed."""
         shared = leading_equal_blocks(token_ids, self.token_ids, self.block_size, len(self.hashes))
-        hashes = extend_block_hashes(self.hashes[:shared], token_ids[shared * self.block_size:], self.block_size)
-        self.token_ids, self.hashes = token_ids, hashes
-        return list(hashes)
+        self.hashes = extend_block_hashes(self.hashes[:shared], token_ids[shared * self.block_size:], self.block_size)
+        self.token_ids = token_ids
+        return self.hashes
 
 
 @dataclass

@@ -341,7 +341,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
         """stop, length or None for output `index` (= token) of seq; sets seq.stop_reason and, for a stop
         string, seq.output_text. EOS, stop ids and stop strings end nothing before min_tokens outputs; a
-        stop string is looked for in the text the token completed (a string may span tokens)."""
+        stop string is looked for in the text the token completed (a string may span tokens). _resolve calls
+        it only for rows that one of its conditions could end: a new condition goes into that test too."""
         p = seq.sampling
         stopping = index + 1 >= p.min_tokens
         if stopping and token in p.stop_token_ids:

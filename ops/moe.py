@@ -252,14 +252,16 @@ def moe_experts(x, gate_up, down, weights, ids, block_m: int | None = None, gate
     x = x.contiguous()
     blocks = expert_of_block.numel()
     n, kk = _fitted(gate_up_tiles, inter, H)
-    _gate_up_kernel[_grid(blocks, triton.cdiv(inter, n), gate_up_tiles)](
+    col_tiles = triton.cdiv(inter, n)
+    _gate_up_kernel[_grid(blocks, col_tiles, gate_up_tiles)](
         x, gate_up, hidden, pair_of_row, expert_of_block, k, H, inter, x.stride(0), *gate_up.stride(), hidden.stride(0),
-        blocks, triton.cdiv(inter, n), BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, GROUP_M=gate_up_tiles.group_m,
+        blocks, col_tiles, BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, GROUP_M=gate_up_tiles.group_m,
         UPCAST=upcast, DOT_PREC=precision, num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages)
     n, kk = _fitted(down_tiles, H, inter)
-    _down_kernel[_grid(blocks, triton.cdiv(H, n), down_tiles)](
+    col_tiles = triton.cdiv(H, n)
+    _down_kernel[_grid(blocks, col_tiles, down_tiles)](
         hidden, down, weights.reshape(-1).contiguous(), per_pair, pair_of_row, expert_of_block, H, inter,
-        hidden.stride(0), *down.stride(), per_pair.stride(0), blocks, triton.cdiv(H, n),
+        hidden.stride(0), *down.stride(), per_pair.stride(0), blocks, col_tiles,
         BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, GROUP_M=down_tiles.group_m, UPCAST=upcast, DOT_PREC=precision,
         num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages)
     return per_pair.view(T, k, H).sum(dim=1)
