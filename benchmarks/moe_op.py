@@ -3,7 +3,8 @@ intermediate 768, bf16), by the number of tokens T: each launch candidate's time
 its tokens route to (uniform routing, each token 8 distinct experts), and the share of a decode step it
 would be (48 layers). At each block_m, each kernel's tiles are swept with the other's at its default (the two
 kernels run one after the other, so their best tiles combine); the best combination is timed again and, with
---save, written to the op's tuned table (ops/moe_tuned/<key>.json, which ops.moe.moe_launch reads). Every
+--save, written to the op's tuned table (ops/moe_tuned/<key>.json, which ops.moe.moe_launch reads; the
+token counts not swept keep their entries). Every
 candidate's output is checked against the default launch's. Times are medians over REPEATS replays of a
 CUDA graph of GRAPH_CALLS calls (as decode runs the op), after one warm-up call that compiles.
 Usage: python3 benchmarks/moe_op.py [--save] [T ...]   (default T: SWEPT_TOKENS; block_m above 16 only where
@@ -104,7 +105,8 @@ def main(token_counts: list[int], save: bool) -> None:
     if save:
         path = TUNED_DIR / f"{tuned_key(EXPERTS, INTER, HIDDEN, torch.bfloat16, torch.device('cuda'))}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps(table, indent=1) + "\n")
+        saved = {int(t): entry for t, entry in json.loads(path.read_text()).items()} if path.exists() else {}
+        path.write_text(json.dumps(dict(sorted({**saved, **table}.items())), indent=1) + "\n")
         print(f"saved {path}")
 
 

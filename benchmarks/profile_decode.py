@@ -82,7 +82,7 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
         phases(engine, lambda: (timed_steps(engine, steps), steps))
         profiler = cProfile.Profile()
         profiler.runcall(timed_steps, engine, steps)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     if mixed:
         mixed_steps(engine, mixed, add_requests)
     engine.close()
@@ -156,14 +156,14 @@ def phases(engine, run) -> None:
     """Host milliseconds per step in scheduling, launching (of which building inputs and enqueueing the
     forward; the rest of it enqueues sampling) and waiting for the previous step's tokens; the rest is
     bookkeeping. run() -> (wall seconds, steps)."""
-    totals = {"schedule": 0.0, "launch": 0.0, "prepare": 0.0, "forward": 0.0, "wait for tokens": 0.0}
+    totals = {"schedule": 0.0, "launch": 0.0, "step_arrays": 0.0, "forward": 0.0, "wait for tokens": 0.0}
     timed(engine.scheduler, "schedule", totals, "schedule")
     timed(engine.runner, "launch", totals, "launch")
-    timed(engine.runner, "prepare", totals, "prepare")
+    timed(engine.runner, "step_arrays", totals, "step_arrays")
     timed(engine.runner, "forward", totals, "forward")
     timed(engine, "_tokens", totals, "wait for tokens")
     wall, steps = run()
-    owners = {"schedule": engine.scheduler, "launch": engine.runner, "prepare": engine.runner,
+    owners = {"schedule": engine.scheduler, "launch": engine.runner, "step_arrays": engine.runner,
               "forward": engine.runner, "_tokens": engine}
     for name, owner in owners.items():
         delattr(owner, name)  # the instance's wrapper goes; the class's method is back

@@ -26,11 +26,11 @@ from engine.block_manager import KVBlockManager, new_token_positions
 from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
-from engine.prefix_groups import CascadePolicy, find_prefix_groups
+from engine.prefix_groups import CascadePolicy, PrefixGroups, find_prefix_groups
 from engine.sampler import PromptSegment, SamplingTensors, StepLogprobs, TokenHistory, draw, processed_logits, to_host
 from engine.scheduler import Fork, ScheduledBatch
 from engine.sequence import PLACEHOLDER, Sequence
-from engine.staging import upload, upload_rows
+from engine.staging import upload, upload_all
 from engine.structured import FILL_THREADS, bitmask_words, start_fill_bitmasks
 from engine.watchdog import StepInputs, StepTimeout
 
@@ -61,42 +61,62 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return upload(array, self.device)
 
-    def prepare(self, batch: ScheduledBatch, starts: np.ndarray, tables: np.ndarray, seq_lens: np.ndarray
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """input_ids [T], positions [T], attention metadata, and the rows whose logits are sampled (the
-        last row of each sequence that draws); starts: int64 [S], the tokens each sequence had computed
-        before the step; tables int32 [S, M] and seq_lens int32 [S]: its block tables and lengths with the
-        step's tokens (KVBlockManager.block_tables_and_seq_lens), copied to the device once each part."""
+    def step_arrays(self, batch: ScheduledBatch, starts: np.ndarray, tables: np.ndarray, seq_lens: np.ndarray,
+                    previous: "InFlight | None") -> dict[str, np.ndarray]:
+        """The host arrays of a step's inputs by name, for its one upload: input_ids int64 [T], positions
+        int64 [T], slot_mapping int32 [T]; the decode rows' block_tables int32 [n, M] and seq_lens int32 [n],
+        with decode_order int32 [n] (plain decode) or the cascade's groups (cu_group_rows, group_prefix_lens,
+        plan); the prefill chunks' prefill_tables, prefill_seq_lens and cu_seqlens int32 [C + 1];
+        sampled_rows int64 [D] (the last row of each sequence that draws); placeholders int64 [2, P] (input
+        rows, rows of the previous step's device tokens) for the rows whose token the previous step drew.
+        starts: int64 [S], the tokens each sequence had computed before the step; tables int32 [S, M] and
+        seq_lens int32 [S]: its block tables and lengths with the step's tokens
+        (KVBlockManager.block_tables_and_seq_lens)."""
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        positions = new_token_positions(starts, counts)
+        draws = np.array(batch.draws, dtype=bool)
         n = batch.num_decode_seqs
-        input_ids = np.concatenate([np.array([s.last_token for s in batch.seqs[:n]], dtype=np.int64)] + [
-            s.token_slice(a, a + c) for s, a, c in zip(batch.seqs[n:], starts[n:].tolist(), counts[n:].tolist())])
-        prefill = None
+        arrays = {
+            "input_ids": np.concatenate([np.array([s.last_token for s in batch.seqs[:n]], dtype=np.int64)] + [
+                s.token_slice(a, a + c) for s, a, c in zip(batch.seqs[n:], starts[n:].tolist(), counts[n:].tolist())
+            ]).astype(np.int64),
+            "positions": new_token_positions(starts, counts), "slot_mapping": batch.slot_mapping,
+            "block_tables": tables[:n], "seq_lens": seq_lens[:n],
+            "sampled_rows": cu_seqlens[1:][draws].astype(np.int64) - 1}
         if n < len(batch.seqs):
-            prefill = PrefillMetadata(self._to_device(tables[n:]), self._to_device(seq_lens[n:]),
-                                      self._to_device(cu_seqlens[n:] - n))
-        cascade = self._cascade(tables[:n], seq_lens[:n])
-        if cascade is None:  # plain decode starts its rows longest first; seq_lens and the order in one copy
-            decode_lens, order = upload_rows([seq_lens[:n], longest_first(seq_lens[:n])], self.device)
+            arrays |= {"prefill_tables": tables[n:], "prefill_seq_lens": seq_lens[n:], "cu_seqlens": cu_seqlens[n:] - n}
+        groups = self._prefix_groups(tables[:n], seq_lens[:n])
+        if groups is None:  # plain decode starts its rows longest first
+            arrays["decode_order"] = longest_first(seq_lens[:n])
         else:  # over short own contexts (the cascade's suffix pass) the order only cost time: benchmarks/NOTES.md
-            decode_lens, order = self._to_device(seq_lens[:n]), None
-        meta = AttentionMetadata(self._to_device(batch.slot_mapping), self._to_device(tables[:n]), decode_lens,
-                                 prefill, cascade, order)
-        sampled_rows = self._to_device(cu_seqlens[1:][np.array(batch.draws, dtype=bool)].astype(np.int64) - 1)
-        return self._to_device(input_ids.astype(np.int64)), self._to_device(positions), meta, sampled_rows
+            arrays |= {"cu_group_rows": groups.cu_group_rows, "group_prefix_lens": groups.group_prefix_lens}
+            if groups.plan is not None:
+                arrays["plan"] = groups.plan
+        if previous is not None:
+            src = np.fromiter(map(previous.rows.get, map(_SEQ_ID, batch.seqs), repeat(-1)), np.int64, len(batch.seqs))
+            waiting = np.flatnonzero((src >= 0) & draws)
+            if len(waiting):
+                arrays["placeholders"] = np.stack([cu_seqlens[1:][waiting].astype(np.int64) - 1, src[waiting]])
+        return arrays
 
-    def _cascade(self, tables: np.ndarray, seq_lens: np.ndarray) -> CascadeMetadata | None:
+    def _prefix_groups(self, tables: np.ndarray, seq_lens: np.ndarray) -> PrefixGroups | None:
         """The decode rows' shared-prefix groups that the policy takes (None: none); sets cascade_rows."""
         if self.cascade is None:
             return None
         groups = find_prefix_groups(tables, seq_lens, self.block_manager.block_size, self.cascade)
         self.cascade_rows = 0 if groups is None else groups.shared_rows
-        if groups is None:
-            return None
-        return CascadeMetadata(self._to_device(groups.cu_group_rows), self._to_device(groups.group_prefix_lens),
-                               None if groups.plan is None else self._to_device(groups.plan))
+        return groups
+
+    @staticmethod
+    def attention_metadata(inputs: dict[str, torch.Tensor]) -> AttentionMetadata:
+        """The AttentionMetadata of step_arrays' device copies."""
+        prefill = cascade = None
+        if "cu_seqlens" in inputs:
+            prefill = PrefillMetadata(inputs["prefill_tables"], inputs["prefill_seq_lens"], inputs["cu_seqlens"])
+        if "cu_group_rows" in inputs:
+            cascade = CascadeMetadata(inputs["cu_group_rows"], inputs["group_prefix_lens"], inputs.get("plan"))
+        return AttentionMetadata(inputs["slot_mapping"], inputs["block_tables"], inputs["seq_lens"], prefill, cascade,
+                                 inputs.get("decode_order"))
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         if meta.prefill is None:
@@ -110,29 +130,42 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, previous: "InFlight | None", step: int,
                previous_tokens: Callable[["InFlight"], list[int]]) -> "InFlight | None":
         """Enqueue the batch's forward and sampling without waiting for the device; None when no sequence
-        draws a token in this step. Tokens that are still placeholders on the host come from the previous
-        step's device output (its draw enqueued first, if it waited for masks). step: the engine's number
-        for it (the watchdog's reports); previous_tokens: waits for a step's tokens on the host (the
-        engine's, under its watchdog), which the masks of constrained sequences need. A step with masks
-        returns with its draw still to enqueue (InFlight.drawn): they are filled on a worker thread while
-        the host resolves the step before and prepares the next."""
+        draws a token in this step. The step's host arrays (inputs, forks, sampling tensors) go up in one
+        copy. Tokens that are still placeholders on the host come from the previous step's device output
+        (its draw enqueued first, if it waited for masks). step: the engine's number for it (the watchdog's
+        reports); previous_tokens: waits for a step's tokens on the host (the engine's, under its watchdog),
+        which the masks of constrained sequences need. A step with masks returns with its draw still to
+        enqueue (InFlight.drawn): they are filled on a worker thread while the host resolves the step before
+        and prepares the next."""
         tables, seq_lens = self.block_manager.block_tables_and_seq_lens(list(map(_SEQ_ID, batch.seqs)))
         starts = seq_lens - np.array(batch.num_new_tokens, dtype=np.int64)  # int64 [S]
-        input_ids, positions, meta, sampled_rows = self.prepare(batch, starts, tables, seq_lens)
-        if previous is not None:
-            self._fill_placeholders(batch, input_ids, previous.drawn())
-        hidden = self.forward(input_ids, positions, meta)
-        drawing, logit_rows = self._fork(list(compress(batch.seqs, batch.draws)), batch.forks)
+        arrays = self.step_arrays(batch, starts, tables, seq_lens, previous)
+        drawing = list(compress(batch.seqs, batch.draws))
+        arrays |= self._fork_arrays(drawing, batch.forks)
+        drawing += [child for fork in batch.forks for child in fork.children]
         segments = self._prompt_segments(batch, starts, len(drawing))
-        if not drawing and not segments:  # only prefill chunks that end before their prompt does
+        if previous is not None:
+            previous.drawn()
+        sampling_arrays, to_sampling, output_index = [], None, None
+        if drawing or segments:
+            output_index = [len(s.output_token_ids) for s in drawing]  # the index of the token each draws
+            sampling_arrays, to_sampling = SamplingTensors.staged(
+                list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size, self.eos_token_ids,
+                self.history.rows(drawing, previous))
+        uploaded = upload_all([*arrays.values(), *sampling_arrays], self.device)
+        inputs = dict(zip(arrays, uploaded))
+        if "placeholders" in inputs:
+            dst, src = inputs["placeholders"]
+            inputs["input_ids"][dst] = previous.device_tokens[src]
+        hidden = self.forward(inputs["input_ids"], inputs["positions"], self.attention_metadata(inputs))
+        if "block_copies" in inputs:  # after the forward that wrote them, before any later step reads them
+            self.kv_cache.copy_blocks(*inputs["block_copies"])
+        if to_sampling is None:  # only prefill chunks that end before their prompt does
             return None
-        logits = self.model.compute_logits(hidden[sampled_rows])
-        if logit_rows is not None:
-            logits = logits[logit_rows]
-        penalised = self.history.rows(drawing, previous)
-        output_index = [len(s.output_token_ids) for s in drawing]  # the index of the token each draws
-        params = SamplingTensors.build(list(map(_SAMPLING, drawing)), output_index, self.model.arch.vocab_size,
-                                       self.device, self.eos_token_ids, penalised)
+        logits = self.model.compute_logits(hidden[inputs["sampled_rows"]])
+        if "logit_rows" in inputs:
+            logits = logits[inputs["logit_rows"]]
+        params = to_sampling(uploaded[len(arrays):])
         processed = processed_logits(logits, params)
         masks = None
         if any(s.constraint is not None for s in drawing):
@@ -213,21 +246,22 @@ class ModelRunner:
         processed = processed.clone() if processed is logits else processed
         return ops.apply_token_bitmask(processed, bitmask.to(self.device, non_blocking=True), masked_rows)
 
-    def _fork(self, drawing: list[Sequence], forks: list[Fork]) -> tuple[list[Sequence], torch.Tensor | None]:
-        """Copy the forked samples' partial blocks (after the forward that wrote them, before any later
-        step reads or writes them: stream order). Returns the sequences that draw, the forked samples
-        after the others, and the logits row each draws from (int64 [len] on the device: a forked
-        sample's is its parent's), None when nothing was forked (one row each)."""
+    @staticmethod
+    def _fork_arrays(drawing: list[Sequence], forks: list[Fork]) -> dict[str, np.ndarray]:
+        """The host arrays of a step's forked samples, none when nothing was forked: block_copies int64
+        [2, K] (the partial blocks to copy, source and destination; when any), and logit_rows int64 [D + F],
+        the logits row each sequence that draws takes, the forked samples after the others (a forked
+        sample's is its parent's)."""
         if not forks:
-            return drawing, None
+            return {}
+        arrays = {}
         copies = [pair for fork in forks for pair in fork.copies]
         if copies:
-            src, dst = self._to_device(np.array(copies, dtype=np.int64).T.copy())
-            self.kv_cache.copy_blocks(src, dst)
+            arrays["block_copies"] = np.array(copies, dtype=np.int64).T
         row_of = {s.seq_id: row for row, s in enumerate(drawing)}
-        rows = list(range(len(drawing))) + [row_of[f.parent.seq_id] for f in forks for _ in f.children]
-        children = [child for fork in forks for child in fork.children]
-        return drawing + children, self._to_device(np.array(rows, dtype=np.int64))
+        arrays["logit_rows"] = np.array(list(range(len(drawing))) + [row_of[f.parent.seq_id] for f in forks
+                                                                     for _ in f.children], dtype=np.int64)
+        return arrays
 
     @staticmethod
     def _prompt_segments(batch: ScheduledBatch, starts: np.ndarray, num_drawing: int) -> list[PromptSegment]:
@@ -258,17 +292,6 @@ class ModelRunner:
             parts += [ops.logprobs(self.model.compute_logits(hidden[rows[i:i + PROMPT_ROWS]]),
                                    targets[i:i + PROMPT_ROWS], k) for i in range(0, rows.shape[0], PROMPT_ROWS)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _fill_placeholders(self, batch: ScheduledBatch, input_ids: torch.Tensor, previous: "InFlight") -> None:
-        """The input rows whose token is a placeholder take it from the previous step's device tokens: the
-        last row of each sequence that draws and drew in the previous step (the one step not yet resolved,
-        so exactly the sequences whose last output is still a placeholder)."""
-        src = np.fromiter(map(previous.rows.get, map(_SEQ_ID, batch.seqs), repeat(-1)), np.int64, len(batch.seqs))
-        waiting = np.flatnonzero((src >= 0) & np.array(batch.draws, dtype=bool))
-        if len(waiting):
-            ends = np.cumsum(batch.num_new_tokens) - 1
-            dst, src = self._to_device(np.stack([ends[waiting], src[waiting]]))
-            input_ids[dst] = previous.device_tokens[src]
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ A batch that uses none of the processors or logprobs pays nothing for them: Samp
 leaves their tensors None and sample() goes straight to the samplers.
 """
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -25,7 +26,7 @@ import torch
 
 import ops
 from engine.sequence import SamplingParams, Sequence, Status
-from engine.staging import upload
+from engine.staging import upload, upload_all
 from engine.structured import bitmask_words
 
 MAX_LOGPROBS = 20  # the largest logprobs / prompt_logprobs k a request may ask for (OpenAI's and vLLM's)
@@ -68,39 +69,44 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int], vocab_size: int, device,
               eos_token_ids=(), penalised: "PenaltyRows | None" = None) -> "SamplingTensors":
-        """One host-to-device copy, which never waits for the device (every value fits float64 exactly),
-        and one conversion to each dtype. eos_token_ids: banned with a row's stop_token_ids while it has
-        fewer than min_tokens outputs (unless it ignores EOS); penalised: TokenHistory.rows of this batch.
-        The fields are read in one pass over the rows (columns of _FIELDS), the rest is numpy."""
+        """The batch's tensors in one host-to-device copy, which never waits for the device (staged, then
+        upload_all). eos_token_ids: banned with a row's stop_token_ids while it has fewer than min_tokens
+        outputs (unless it ignores EOS); penalised: TokenHistory.rows of this batch."""
+        arrays, finish = cls.staged(params, steps, vocab_size, eos_token_ids, penalised)
+        return finish(upload_all(arrays, device))
+
+    @classmethod
+    def staged(cls, params: list[SamplingParams], steps: list[int], vocab_size: int, eos_token_ids=(),
+               penalised: "PenaltyRows | None" = None
+               ) -> "tuple[list[np.ndarray], Callable[[list[torch.Tensor]], SamplingTensors]]":
+        """build's host arrays, for a step to upload with its other inputs, and the function that makes the
+        SamplingTensors from their device copies (in order). The fields are read in one pass over the rows
+        (columns of _FIELDS), the rest is numpy; each field's row is padded to a multiple of 4 values, so it
+        starts 16-byte aligned (staging.ALIGN)."""
         temperature, top_k, top_p, min_p, seeds, min_tokens, logprobs = list(zip(*map(_FIELDS, params))) or [()] * 7
+        rows = len(params)
         top_k = np.array(top_k, dtype=np.int64)
         top_k[(top_k <= 0) | (top_k >= vocab_size)] = vocab_size
-        table = np.array([temperature, top_k, top_p, min_p, seeds, steps],
-                         dtype=np.float64).reshape(6, len(params))
-        banning = np.flatnonzero(table[5] < np.array(min_tokens, dtype=np.float64)).tolist()  # step < min_tokens
+        floats, ints = aligned_rows([temperature, top_p, min_p], np.float32), aligned_rows([top_k, seeds, steps], np.int64)
+        banning = np.flatnonzero(ints[2, :rows] < np.array(min_tokens, dtype=np.int64)).tolist()  # step < min_tokens
         banned = [(row, t) for row in banning for p in (params[row],)
                   for t in (*(() if p.ignore_eos else eos_token_ids), *p.stop_token_ids)]
-        # rows padded to a multiple of 4 values: each field's row then starts 16-byte aligned, as Triton
-        # specialises its kernels on (a misaligned row would compile another variant mid-run)
-        width = -(-len(params) // 4) * 4
-        padded = np.zeros((6, width))
-        padded[:, :len(params)] = table
-        host = [padded.reshape(-1), np.array(banned, dtype=np.float64).T.reshape(-1),  # banned as [2, N]: rows, ids
-                np.array(penalised.table(params) if penalised else [], dtype=np.float64).reshape(-1)]
-        on_device, banned_pairs, penalty_table = upload(np.concatenate(host), device).split([len(x) for x in host])
-        on_device = on_device.view(6, width)
-        floats, ints = on_device.float()[:, :len(params)], on_device.long()[:, :len(params)]
+        arrays = [floats, ints, np.array(banned, dtype=np.int64).T.reshape(2, -1)]  # banned as [2, N]: rows, ids
+        if penalised:
+            arrays += penalised.arrays(params)
         asked = set(logprobs)
         asked.discard(None)
-        return cls(
-            temperature=floats[0], top_k=ints[1], top_p=floats[2], min_p=floats[3], seed=ints[4], step=ints[5],
-            all_greedy=not table[0].any(),
-            any_truncation=bool((table[1] < vocab_size).any() or (table[2] < 1).any() or (table[3] > 0).any()),
-            banned=tuple(banned_pairs.view(2, -1).long()) if banned else None,
-            penalties=penalised.on_device(penalty_table) if penalised else None,
-            num_logprobs=max(asked, default=None),
-        )
+        all_greedy = not floats[0].any()
+        any_truncation = bool((top_k < vocab_size).any() or (floats[1, :rows] < 1).any() or (floats[2] > 0).any())
 
+        def finish(on_device: list[torch.Tensor]) -> "SamplingTensors":
+            f, i = on_device[0][:, :rows], on_device[1][:, :rows]
+            return cls(temperature=f[0], top_k=i[0], top_p=f[1], min_p=f[2], seed=i[1], step=i[2],
+                       all_greedy=all_greedy, any_truncation=any_truncation,
+                       banned=tuple(on_device[2]) if banned else None,
+                       penalties=penalised.on_device(*on_device[3:5]) if penalised else None,
+                       num_logprobs=max(asked, default=None))
+        return arrays, finish
 
     def rows(self) -> dict[str, torch.Tensor]:
         """The per-row tensors the samplers take, by name (a stalled step's record: engine/watchdog.py)."""
@@ -179,15 +185,27 @@ class PenaltyRows:
     num_tokens: list[int]
     token_ids: torch.Tensor  # TokenHistory.token_ids
 
-    def table(self, params: list[SamplingParams]) -> list[list]:
+    def arrays(self, params: list[SamplingParams]) -> list[np.ndarray]:
+        """The host arrays of on_device: int64 [4, R'] rows, slots, prompt lengths and token counts, float32
+        [3, R'] the three penalties (R' >= R: rows padded as aligned_rows does)."""
         chosen = [params[r] for r in self.rows]
-        return [self.rows, self.slots, self.prompt_lens, self.num_tokens, [p.repetition_penalty for p in chosen],
-                [p.presence_penalty for p in chosen], [p.frequency_penalty for p in chosen]]
+        return [aligned_rows([self.rows, self.slots, self.prompt_lens, self.num_tokens], np.int64),
+                aligned_rows([[p.repetition_penalty for p in chosen], [p.presence_penalty for p in chosen],
+                              [p.frequency_penalty for p in chosen]], np.float32)]
 
-    def on_device(self, table: torch.Tensor) -> Penalties:
-        """Penalties from table()'s values on the device (float64 [7 * R])."""
-        table = table.view(7, -1)
-        return Penalties(*table[:4].long(), *table[4:].float(), token_ids=self.token_ids, width=max(self.num_tokens))
+    def on_device(self, ints: torch.Tensor, floats: torch.Tensor) -> Penalties:
+        """Penalties from the device copies of arrays()."""
+        rows = len(self.rows)
+        return Penalties(*ints[:, :rows], *floats[:, :rows], token_ids=self.token_ids, width=max(self.num_tokens))
+
+
+def aligned_rows(rows: list, dtype) -> np.ndarray:
+    """Equal-length rows as a [len(rows), width] array of dtype, width the length rounded up to a multiple of 4
+    (zeros after it): in a 16-byte aligned copy, each row of 4- or 8-byte values then starts 16-byte aligned."""
+    length = len(rows[0])
+    table = np.zeros((len(rows), -(-length // 4) * 4), dtype=dtype)
+    table[:, :length] = rows
+    return table
 
 
 class TokenHistory:
