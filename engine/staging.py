@@ -2,6 +2,8 @@
 enqueued on the current stream; the caching host allocator keeps the staging block until it is done),
 as they are on the CPU. A step's arrays go up together (upload_all): each copy costs the host tens of
 microseconds whatever its size, and a small model's decode step waits on the host (benchmarks/NOTES.md)."""
+import functools
+
 import numpy as np
 import torch
 
@@ -17,20 +19,25 @@ def upload(array: np.ndarray, device) -> torch.Tensor:
 def upload_all(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
     """Arrays of any dtypes and shapes in one copy: packed as bytes into one buffer, each from an ALIGN-byte
     boundary, and handed back as views of the copy with their own dtype and shape (on the CPU, views of the
-    packed host buffer)."""
+    packed host buffer). The copy is viewed once per dtype and sliced once per array: each torch view costs
+    the host microseconds."""
     offsets, end = [], 0
     for array in arrays:
         offsets.append(end)
         end += -(-array.nbytes // ALIGN) * ALIGN
-    packed = np.empty(end, dtype=np.uint8)
+    packed = np.empty(max(end, ALIGN), dtype=np.uint8)  # never empty: an empty byte tensor has no typed view
     for array, offset in zip(arrays, offsets):
         packed[offset:offset + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    on_device = upload(packed, device)
-    return [_view(on_device, offset, array) for array, offset in zip(arrays, offsets)]
+    on_device, typed, views = upload(packed, device), {}, []
+    for array, offset in zip(arrays, offsets):
+        if array.dtype not in typed:
+            typed[array.dtype] = on_device.view(_torch_dtype(array.dtype))
+        start = offset // array.itemsize
+        flat = typed[array.dtype][start:start + array.size]
+        views.append(flat if array.ndim == 1 else flat.view(array.shape))
+    return views
 
 
-def _view(packed: torch.Tensor, offset: int, array: np.ndarray) -> torch.Tensor:
-    dtype = torch.from_numpy(array[:0]).dtype
-    if not array.size:  # an empty byte slice cannot be viewed as wider elements (allocates nothing)
-        return torch.empty(array.shape, dtype=dtype, device=packed.device)
-    return packed[offset:offset + array.nbytes].view(dtype).view(array.shape)
+@functools.cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
