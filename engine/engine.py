@@ -184,7 +184,11 @@ class LLMEngine:
         then decode steps at every batch size from max_num_seqs down to 1 (request i stops after i + 1
         tokens). Whatever is paid the first time a shape occurs (kernel compilation, cuBLAS's choice of
         kernel for a new matmul shape, a CUDA graph's first replay, pinned buffers of a new size) is
-        paid here: inside a run it stalled the host long enough for the GPU to idle (NOTES, version 7)."""
+        paid here: inside a run it stalled the host long enough for the GPU to idle (NOTES, version 7). The
+        steps between (prefill chunks of other token counts) can pick launches of their own: the model
+        compiles those first (compile_launches)."""
+        if not self.parallel:  # a rank's share of the experts has a width of its own, which no table holds
+            self.model.compile_launches(self.scheduler.max_num_batched_tokens)
         num_seqs = self.scheduler.max_num_seqs
         room = min(self.max_model_len, self.num_blocks * self.block_size // num_seqs)  # tokens per request
         prompt = max(1, min(self.scheduler.max_num_batched_tokens // num_seqs, room // 2))

@@ -52,7 +52,7 @@ def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
 _PAIRS_PER_PROGRAM = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])  # T * k: one variant whatever its divisibility (NOTES, session 35)
 def _count_kernel(ids_ptr, counts_ptr, pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < pairs
@@ -81,7 +81,7 @@ def _layout_kernel(counts_ptr, cursor_ptr, pair_ptr, expert_ptr, num_experts, ro
         tl.store(expert_ptr + blocks, expert.to(tl.int64), mask=blocks < rows // block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pairs"])
 def _place_kernel(ids_ptr, cursor_ptr, pair_ptr, pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = offs < pairs
@@ -114,7 +114,7 @@ def _block_tile(pair_ptr, block, col_tile, num_cols, BLOCK_M: tl.constexpr, BLOC
     return pair, pair >= 0, cols, cols < num_cols
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # it follows T: one variant a launch, compiled before a run
 def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
                     s_xt, s_we, s_wr, s_wc, s_ot, num_blocks, num_col_tiles,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -147,7 +147,7 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
              mask=live[:, None] & col_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
                  s_ht, s_we, s_wr, s_wc, s_ot, num_blocks, num_col_tiles,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -231,6 +231,23 @@ def moe_launch(tokens: int, num_experts: int, inter: int, hidden: int, dtype: to
     if not table:
         return DEFAULT_LAUNCH
     return table[min(table, key=lambda swept: (abs(swept - tokens), swept))]
+
+
+def compile_launches(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, max_tokens: int) -> int:
+    """Run the op once, on zeros, at each token count of the tuned table up to max_tokens whose launch no
+    smaller count shares, so that every launch a step can pick is compiled before a run (a compilation
+    inside one stalled its step by ~1 s: benchmarks/NOTES.md, session 35); returns the launches run. Each
+    token's k experts are distinct and the tokens spread over all of them."""
+    num_experts, two_i, hidden = gate_up.shape
+    table = _tuned_table(tuned_key(num_experts, two_i // 2, hidden, gate_up.dtype, gate_up.device))
+    runs = {}
+    for tokens in sorted(t for t in table if t <= max_tokens):
+        runs.setdefault(table[tokens], tokens)
+    for tokens in runs.values():
+        x = torch.zeros(tokens, hidden, dtype=gate_up.dtype, device=gate_up.device)
+        ids = (torch.arange(tokens, device=x.device)[:, None] * top_k + torch.arange(top_k, device=x.device)) % num_experts
+        moe_experts(x, gate_up, down, torch.full((tokens, top_k), 1 / top_k, device=x.device), ids)
+    return len(runs)
 
 
 def moe_experts(x, gate_up, down, weights, ids, block_m: int | None = None, gate_up_tiles: Tiles | None = None,

@@ -165,41 +165,100 @@ def test_the_experts_tiles_change_nothing_but_speed(block_m, gate_up_tiles, down
     assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, True), rtol=1e-4, atol=1e-5)
 
 
-def test_the_tuned_table_gives_the_launch_of_the_nearest_swept_token_count(tmp_path, monkeypatch, poisoned_empty):
-    """ops.moe.moe_launch against a table written by hand (benchmarks/moe_op.py --save's format): the nearest
-    swept T (the smaller on a tie), DEFAULT_LAUNCH for a shape without a table; the op runs the launch it
-    picks and still matches the float64 loop."""
+@pytest.fixture
+def tuned_table(tmp_path, monkeypatch):
+    """write(launches, num_experts, hidden, inter, device): launches as the tuned table of that float32 shape
+    (benchmarks/moe_op.py --save's format), where ops.moe reads its tables for the test."""
     import json
 
+    from ops import moe
+    monkeypatch.setattr(moe, "TUNED_DIR", tmp_path)
+
+    def write(launches: dict, num_experts: int, hidden: int, inter: int, device) -> None:
+        key = moe.tuned_key(num_experts, inter, hidden, torch.float32, device)
+        (tmp_path / f"{key}.json").write_text(json.dumps({str(t): launch.to_json() for t, launch in launches.items()}))
+        moe._tuned_table.cache_clear()
+    yield write
+    moe._tuned_table.cache_clear()
+
+
+def test_the_tuned_table_gives_the_launch_of_the_nearest_swept_token_count(tuned_table, monkeypatch, poisoned_empty):
+    """ops.moe.moe_launch against a table written by hand: the nearest swept T (the smaller on a tie),
+    DEFAULT_LAUNCH for a shape without a table; the op runs the launch it picks and still matches the
+    float64 loop."""
     from ops import moe
 
     launches = {1: moe.Launch(16, Tiles(16, 16), Tiles(32, 16)), 64: moe.Launch(32, Tiles(32, 32), Tiles(16, 16)),
                 4096: moe.Launch(64, Tiles(64, 64, 8, 3), Tiles(32, 64))}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_experts, hidden, inter = 8, 48, 40
-    key = moe.tuned_key(num_experts, inter, hidden, torch.float32, device)
-    (tmp_path / f"{key}.json").write_text(json.dumps({str(t): launch.to_json() for t, launch in launches.items()}))
-    monkeypatch.setattr(moe, "TUNED_DIR", tmp_path)
-    moe._tuned_table.cache_clear()
-    try:
-        picked = {t: moe.moe_launch(t, num_experts, inter, hidden, torch.float32, device) for t in (1, 20, 33, 32, 3000)}
-        assert picked == {1: launches[1], 20: launches[1], 33: launches[64], 32: launches[1], 3000: launches[4096]}
-        assert moe.moe_launch(5, num_experts, inter, 2 * hidden, torch.float32, device) == moe.DEFAULT_LAUNCH
-        calls = []
-        monkeypatch.setattr(moe, "sorted_pairs", lambda ids, e, block_m: calls.append(block_m) or
-                            moe_sorted_pairs(ids, e, block_m))
-        generator = torch.Generator().manual_seed(8)
-        tokens, top_k = 40, 2
-        x = torch.randn(tokens, hidden, generator=generator)
-        logits = torch.randn(tokens, num_experts, generator=generator)
-        gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / 4
-        down = torch.randn(num_experts, hidden, inter, generator=generator) / 4
-        weights, ids = ops.moe_route(logits, top_k, True)
-        out = moe.moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids))).cpu()
-        assert calls == [32]  # T = 40: the launch swept at 64
-        assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, True), rtol=1e-4, atol=1e-5)
-    finally:
-        moe._tuned_table.cache_clear()
+    tuned_table(launches, num_experts, hidden, inter, device)
+    picked = {t: moe.moe_launch(t, num_experts, inter, hidden, torch.float32, device) for t in (1, 20, 33, 32, 3000)}
+    assert picked == {1: launches[1], 20: launches[1], 33: launches[64], 32: launches[1], 3000: launches[4096]}
+    assert moe.moe_launch(5, num_experts, inter, 2 * hidden, torch.float32, device) == moe.DEFAULT_LAUNCH
+    calls = []
+    monkeypatch.setattr(moe, "sorted_pairs", lambda ids, e, block_m: calls.append(block_m) or
+                        moe_sorted_pairs(ids, e, block_m))
+    generator = torch.Generator().manual_seed(8)
+    tokens, top_k = 40, 2
+    x = torch.randn(tokens, hidden, generator=generator)
+    logits = torch.randn(tokens, num_experts, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / 4
+    down = torch.randn(num_experts, hidden, inter, generator=generator) / 4
+    weights, ids = ops.moe_route(logits, top_k, True)
+    out = moe.moe_experts(*(t.to(device) for t in (x, gate_up, down, weights, ids))).cpu()
+    assert calls == [32]  # T = 40: the launch swept at 64
+    assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, True), rtol=1e-4, atol=1e-5)
+
+
+def test_compile_launches_runs_each_launch_up_to_the_budget_once(tuned_table, monkeypatch, poisoned_empty):
+    """ops.moe.compile_launches against a table written by hand: one run at the smallest token count of each
+    distinct launch up to max_tokens (the counts and the launches picked by hand), each token's experts
+    distinct and every expert routed to; the engine's model compiles through its first sparse layer."""
+    from ops import moe
+
+    a, b, c = moe.Launch(16, Tiles(16, 16), Tiles(16, 16)), moe.Launch(32, Tiles(32, 16), Tiles(16, 32)), \
+        moe.Launch(64, Tiles(16, 32), Tiles(32, 16))
+    launches = {1: a, 4: a, 16: b, 48: c, 64: b, 4096: c}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    num_experts, hidden, inter, top_k = 8, 48, 40, 2
+    tuned_table(launches, num_experts, hidden, inter, device)
+    runs = []
+    monkeypatch.setattr(moe, "sorted_pairs", lambda ids, e, block_m: runs.append((ids.cpu(), block_m)) or
+                        moe_sorted_pairs(ids, e, block_m))
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device=device)
+    down = torch.randn(num_experts, hidden, inter, device=device)
+    assert moe.compile_launches(gate_up, down, top_k, max_tokens=50) == 3
+    assert [(ids.shape[0], block_m) for ids, block_m in runs] == [(1, 16), (16, 32), (48, 64)]
+    for ids, _ in runs:
+        assert all(len(set(row)) == top_k for row in ids.tolist())
+        assert ids.shape[0] * top_k < num_experts or set(ids.flatten().tolist()) == set(range(num_experts))
+    assert ops.moe_compile_launches(gate_up.cpu(), down.cpu(), top_k, 50, backend="torch") == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter compiles nothing; only the GPU has variants")
+def test_no_experts_kernel_compiles_after_compile_launches(tuned_table, poisoned_empty):
+    """After compile_launches, token counts of every divisibility (T, T * k, the row blocks) reuse the compiled
+    kernels: a compilation inside a run stalls its step."""
+    import triton
+
+    from ops import moe
+    launches = {1: moe.Launch(16, Tiles(16, 16), Tiles(16, 16)), 64: moe.Launch(32, Tiles(32, 32), Tiles(32, 32))}
+    num_experts, hidden, inter, top_k = 8, 48, 40, 2
+    tuned_table(launches, num_experts, hidden, inter, torch.device("cuda"))
+
+    def variants() -> int:
+        kernels = [k for k in vars(moe).values() if isinstance(k, triton.JITFunction)]
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda")
+    down = torch.randn(num_experts, hidden, inter, device="cuda")
+    moe.compile_launches(gate_up, down, top_k, max_tokens=100)
+    before = variants()
+    for tokens in (2, 3, 8, 16, 17, 31, 32, 50, 64, 96, 100):
+        x = torch.randn(tokens, hidden, device="cuda")
+        weights, ids = ops.moe_route(torch.randn(tokens, num_experts, device="cuda"), top_k, True)
+        moe.moe_experts(x, gate_up, down, weights, ids)
+    assert variants() == before
 
 
 @pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [(1, 8, 128, 16), (300, 4, 8, 16), (700, 2, 8, 64)])

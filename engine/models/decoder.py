@@ -306,6 +306,13 @@ class DecoderForCausalLM(nn.Module):
         experts = (sparse[0].experts.gate_up_proj.shape[0], sparse[0].top_k) if sparse else (0, 0)
         return WeightFootprint(params - head.numel(), head.numel(), nbytes, expert_bytes, *experts, fp8_params)
 
+    def compile_launches(self, max_tokens: int) -> int:
+        """Compile, before a run, the launches that steps of up to max_tokens tokens can pick beyond those the
+        warm-up's steps reach: the experts' tuned launches (every sparse layer has one shape, so one layer's).
+        Returns the launches run."""
+        sparse = next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)), None)
+        return 0 if sparse is None else sparse.compile_launches(max_tokens)
+
     def compute_logits(self, hidden):
         """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them."""
         return self.lm_head(hidden)

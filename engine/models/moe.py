@@ -53,6 +53,10 @@ class SparseMoeMLP(nn.Module):
             all_reduce(routed)
         hidden.add_(routed)
 
+    def compile_launches(self, max_tokens: int) -> int:
+        """Compile the experts' launches for steps of up to max_tokens tokens (ops.moe_compile_launches)."""
+        return ops.moe_compile_launches(self.experts.gate_up_proj, self.experts.down_proj, self.top_k, max_tokens)
+
     def fold_norm(self, norm, apart=frozenset()) -> None:
         """Keep the post-attention norm's weight (the router and the experts both read its output)."""
         self.register_buffer("input_weight", norm.weight.detach().clone())
