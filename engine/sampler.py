@@ -19,6 +19,7 @@ leaves their tensors None and sample() goes straight to the samplers.
 import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
 from operator import attrgetter
 
 import numpy as np
@@ -30,11 +31,8 @@ from engine.staging import upload, upload_all
 from engine.structured import bitmask_words
 
 MAX_LOGPROBS = 20  # the largest logprobs / prompt_logprobs k a request may ask for (OpenAI's and vLLM's)
+_PENALISED = attrgetter("sampling.penalised")
 _FIELDS = attrgetter("temperature", "top_k", "top_p", "min_p", "noise_seed", "min_tokens", "logprobs")  # SamplingTensors.build's
-
-
-def has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 @dataclass
@@ -226,7 +224,7 @@ class TokenHistory:
     def rows(self, seqs: list[Sequence], previous) -> PenaltyRows | None:
         """The penalised rows among seqs (a batch's drawing sequences), admitting those new to it;
         previous: the InFlight step before (its device tokens fill placeholders)."""
-        rows = [i for i, s in enumerate(seqs) if has_penalty(s.sampling)]
+        rows = list(compress(range(len(seqs)), map(_PENALISED, seqs)))
         if not rows:
             return None
         new = [seqs[i] for i in rows if seqs[i].seq_id not in self._slots]

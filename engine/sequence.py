@@ -100,6 +100,11 @@ class SamplingParams:
         return self if index == 0 else replace(self, seed=sample_seed(self.seed, index))
 
     @functools.cached_property
+    def penalised(self) -> bool:
+        """Whether a repetition, presence or frequency penalty applies (made once: read per row per step)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @functools.cached_property
     def noise_seed(self) -> int:
         """The 32-bit seed of the sampling noise (ops/sampling_reference.uniform_noise): the seed's low 32 bits
         XOR mix32 of its next 32, so that every bit of a 64-bit seed counts (mix32 is a bijection, so seeds

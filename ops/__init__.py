@@ -330,7 +330,4 @@ def moe_experts(x, gate_up, down, weights, ids, backend=None):
 def moe_compile_launches(gate_up, down, top_k: int, max_tokens: int, backend=None) -> int:
     """Compile, before a run, every launch of the Triton experts that a step of up to max_tokens tokens can
     pick (ops/moe.py compile_launches); returns how many ran (0 for the reference, which compiles nothing)."""
-    if not _use_triton(backend, gate_up):
-        return 0
-    from ops import moe
-    return moe.compile_launches(gate_up, down, top_k, max_tokens)
+    return _pick(backend, gate_up, "moe").compile_launches(gate_up, down, top_k, max_tokens)
