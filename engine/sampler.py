@@ -27,7 +27,7 @@ import torch
 
 import ops
 from engine.sequence import SamplingParams, Sequence, Status
-from engine.staging import upload, upload_all
+from engine.staging import aligned_rows, upload, upload_all
 from engine.structured import bitmask_words
 
 MAX_LOGPROBS = 20  # the largest logprobs / prompt_logprobs k a request may ask for (OpenAI's and vLLM's)
@@ -80,7 +80,7 @@ class SamplingTensors:
         """build's host arrays, for a step to upload with its other inputs, and the function that makes the
         SamplingTensors from their device copies (in order). The fields are read in one pass over the rows
         (columns of _FIELDS), the rest is numpy; each field's row is padded to a multiple of 4 values, so it
-        starts 16-byte aligned (staging.ALIGN)."""
+        starts 16-byte aligned (staging.aligned_rows)."""
         temperature, top_k, top_p, min_p, seeds, min_tokens, logprobs = list(zip(*map(_FIELDS, params))) or [()] * 7
         rows = len(params)
         top_k = np.array(top_k, dtype=np.int64)
@@ -195,15 +195,6 @@ class PenaltyRows:
         """Penalties from the device copies of arrays()."""
         rows = len(self.rows)
         return Penalties(*ints[:, :rows], *floats[:, :rows], token_ids=self.token_ids, width=max(self.num_tokens))
-
-
-def aligned_rows(rows: list, dtype) -> np.ndarray:
-    """Equal-length rows as a [len(rows), width] array of dtype, width the length rounded up to a multiple of 4
-    (zeros after it): in a 16-byte aligned copy, each row of 4- or 8-byte values then starts 16-byte aligned."""
-    length = len(rows[0])
-    table = np.zeros((len(rows), -(-length // 4) * 4), dtype=dtype)
-    table[:, :length] = rows
-    return table
 
 
 class TokenHistory:

@@ -41,3 +41,12 @@ def upload_all(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
 @functools.cache
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def aligned_rows(rows: list, dtype) -> np.ndarray:
+    """Equal-length rows as a [len(rows), width] array of dtype, width the length rounded up to a multiple of 4
+    (zeros after it): in a 16-byte aligned copy, each row of 4- or 8-byte values then starts 16-byte aligned."""
+    length = len(rows[0])
+    table = np.zeros((len(rows), -(-length // 4) * 4), dtype=dtype)
+    table[:, :length] = rows
+    return table

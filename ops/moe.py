@@ -234,15 +234,17 @@ def moe_launch(tokens: int, num_experts: int, inter: int, hidden: int, dtype: to
 
 
 def compile_launches(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, max_tokens: int) -> int:
-    """Run the op once, on zeros, at each token count of the tuned table up to max_tokens whose launch no
-    smaller count shares, so that every launch a step can pick is compiled before a run (a compilation
-    inside one stalled its step by ~1 s: benchmarks/NOTES.md, session 35); returns the launches run. Each
-    token's k experts are distinct and the tokens spread over all of them."""
+    """Run the op once, on zeros, for each launch that moe_launch picks for a step of 1..max_tokens tokens
+    (at the smallest count picking it), so that every one is compiled before a run (a compilation inside one
+    stalled its step by ~1 s: benchmarks/NOTES.md, session 35); returns the launches run. The nearest swept
+    count picks, so the counts to try are the swept ones up to max_tokens and max_tokens itself. Each token's
+    k experts are distinct and the tokens spread over all of them."""
     num_experts, two_i, hidden = gate_up.shape
-    table = _tuned_table(tuned_key(num_experts, two_i // 2, hidden, gate_up.dtype, gate_up.device))
+    inter, dtype, device = two_i // 2, gate_up.dtype, gate_up.device
+    swept = _tuned_table(tuned_key(num_experts, inter, hidden, dtype, device))
     runs = {}
-    for tokens in sorted(t for t in table if t <= max_tokens):
-        runs.setdefault(table[tokens], tokens)
+    for tokens in sorted({t for t in swept if t <= max_tokens} | ({max_tokens} if swept else set())):
+        runs.setdefault(moe_launch(tokens, num_experts, inter, hidden, dtype, device), tokens)
     for tokens in runs.values():
         x = torch.zeros(tokens, hidden, dtype=gate_up.dtype, device=gate_up.device)
         ids = (torch.arange(tokens, device=x.device)[:, None] * top_k + torch.arange(top_k, device=x.device)) % num_experts

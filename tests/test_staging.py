@@ -1,12 +1,11 @@
 """engine/staging.upload_all: arrays of any dtypes and shapes in one copy keep their values, dtypes and shapes,
-and each starts 16-byte aligned (Triton compiles a kernel variant per pointer alignment); the sampler's
-aligned_rows pads each row to a 16-byte start."""
+and each starts 16-byte aligned (Triton compiles a kernel variant per pointer alignment); aligned_rows
+pads each row to a 16-byte start."""
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import aligned_rows
-from engine.staging import ALIGN, upload_all
+from engine.staging import ALIGN, aligned_rows, upload_all
 
 DTYPES = [np.int32, np.int64, np.float32, np.float64, np.bool_, np.uint8]
 shapes = st.lists(st.integers(0, 5), min_size=1, max_size=3).map(tuple)
