@@ -106,7 +106,7 @@ def mixed_steps(engine, count: int, add_requests) -> None:
     print(f"{count} new prompts beside {len(engine.scheduler.running) - 2 * count} decodes: {taken} steps, "
           f"{wall / taken * 1e3:.2f} ms/step wall; {busy / profiled * 1e3:.2f} ms/step of kernels over "
           f"{profiled} steps")
-    print_kernels(by_kernel, profiled, 12)
+    print_kernels(by_kernel, profiled, 24)
     add_requests(count)
     phases(engine, lambda: synced(prefill_all, engine)[::-1])
     add_requests(count)

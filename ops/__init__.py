@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ops import moe_reference, paged_attention_reference, sampling_reference
+from ops import paged_attention_reference, sampling_reference
 
 BACKENDS = ("triton", "torch")
 
@@ -314,10 +314,10 @@ def _unit_scale_product(x, weight, weight_scale, input_weight, backend):
     return torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32), (scale, weight_scale)
 
 
-def moe_route(router_logits, top_k: int, renormalize: bool):
+def moe_route(router_logits, top_k: int, renormalize: bool, backend=None):
     """A mixture-of-experts layer's routing: (weights float32 [T, k], expert ids int64 [T, k]) of the router's
-    logits [T, E] (ops/moe_reference.py)."""
-    return moe_reference.moe_route(router_logits, top_k, renormalize)
+    logits [T, E] (ops/moe_reference.py; Triton: ops/moe.py, one kernel)."""
+    return _pick(backend, router_logits, "moe").moe_route(router_logits, top_k, renormalize)
 
 
 def moe_experts(x, gate_up, down, weights, ids, backend=None):

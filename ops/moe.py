@@ -3,12 +3,14 @@
     moe_experts(x[T, H], gate_up[E, 2I, H], down[E, H, I], weights[T, k], ids[T, k]) -> [T, H]
 
 The T * k (token, expert) pairs are grouped by expert and each expert's run is padded to a multiple of
-BLOCK_M (sorted_pairs: three small kernels on the device, sized by the bound T * k + E * (BLOCK_M - 1), so
-nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
+BLOCK_M (sorted_pairs: a fill and three small kernels on the device, sized by the bound T * k + E * (BLOCK_M -
+1), so nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
 takes one block of BLOCK_M pairs of one expert and BLOCK_N columns of its intermediate: it gathers the
 pairs' token rows of x, multiplies them by that expert's gate and up rows over H, and writes silu(gate) *
-up in x's dtype ([T * k, I], indexed by pair). The second kernel multiplies those rows by the expert's down
-projection and scales each by its pair's weight ([T * k, H]); the k rows of a token are summed after. A
+up in x's dtype ([P, I], by sorted row, so that the second kernel reads a block's rows as one box). The
+second kernel multiplies those rows by the expert's down projection and scales each by its pair's weight
+([T * k, H], by pair); the k rows of a token are summed after. The weights (and the second kernel's rows)
+are read in TMA boxes (tensor descriptors). A
 block past the last expert's run (expert -1) does nothing; an expert no token picks has no block, so its
 weights are never read.
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ops.paged_attention import dot_precision
 
@@ -32,19 +35,20 @@ def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     """(pair index per padded row int64 [P] (-1: padding), expert per block int64 [P // block_m] (-1: none))
     for ids [T, k]: the pairs t * k + j grouped by expert, in expert order, each expert's run padded to a
     multiple of block_m (its pairs in no set order: each pair's row of the product is its own);
-    P = the bound T * k + E * (block_m - 1), rounded up to block_m. Three kernels, nothing on the host: a
-    histogram of the experts, the runs' layout (a prefix sum over the experts), then each pair's place."""
+    P = the bound T * k + E * (block_m - 1), rounded up to block_m. Nothing on the host: every row -1 (a fill),
+    a histogram of the experts, the runs' layout (one program: a prefix sum over the experts), then each
+    pair's place."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     rows = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    pair_of_row = torch.empty(rows, dtype=torch.int64, device=ids.device)
+    pair_of_row = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)  # a fill over the whole device, not one program's loop
     expert_of_block = torch.empty(rows // block_m, dtype=torch.int64, device=ids.device)
     grid = (triton.cdiv(pairs, _PAIRS_PER_PROGRAM),)
     _count_kernel[grid](flat, counts, pairs, BLOCK=_PAIRS_PER_PROGRAM)
-    _layout_kernel[(1,)](counts, cursor, pair_of_row, expert_of_block, num_experts, rows, block_m,
-                         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_ROWS=1024, BLOCK_BLOCKS=64)
+    _layout_kernel[(1,)](counts, cursor, expert_of_block, num_experts, rows, block_m,
+                         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_BLOCKS=64)
     _place_kernel[grid](flat, cursor, pair_of_row, pairs, BLOCK=_PAIRS_PER_PROGRAM)
     return pair_of_row, expert_of_block
 
@@ -61,19 +65,16 @@ def _count_kernel(ids_ptr, counts_ptr, pairs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _layout_kernel(counts_ptr, cursor_ptr, pair_ptr, expert_ptr, num_experts, rows, block_m,
-                   BLOCK_E: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_BLOCKS: tl.constexpr):
-    """One program: each expert's padded run start (the cursor its pairs are placed from), every row -1,
-    and each block's expert: the number of runs that end at or before the block's start (-1 past the last)."""
+def _layout_kernel(counts_ptr, cursor_ptr, expert_ptr, num_experts, rows, block_m,
+                   BLOCK_E: tl.constexpr, BLOCK_BLOCKS: tl.constexpr):
+    """One program: each expert's padded run start (the cursor its pairs are placed from) and each block's
+    expert: the number of runs that end at or before the block's start (-1 past the last)."""
     experts = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     padded = (counts + block_m - 1) // block_m * block_m
     run_end = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + experts, run_end - padded, mask=experts < num_experts)
     run_end = tl.where(experts < num_experts, run_end, 1 << 30)
-    for start in range(0, rows, BLOCK_ROWS):
-        offs = start + tl.arange(0, BLOCK_ROWS)
-        tl.store(pair_ptr + offs, tl.full([BLOCK_ROWS], -1, tl.int64), mask=offs < rows)
     for first in range(0, rows // block_m, BLOCK_BLOCKS):
         blocks = first + tl.arange(0, BLOCK_BLOCKS)
         ended = tl.sum((run_end[None, :] <= (blocks * block_m)[:, None]).to(tl.int32), 1)
@@ -115,59 +116,60 @@ def _block_tile(pair_ptr, block, col_tile, num_cols, BLOCK_M: tl.constexpr, BLOC
 
 
 @triton.jit(do_not_specialize=["num_blocks"])  # it follows T: one variant a launch, compiled before a run
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pair_ptr, expert_ptr, top_k, H, I,
-                    s_xt, s_we, s_wr, s_wc, s_ot, num_blocks, num_col_tiles,
+def _gate_up_kernel(x_ptr, w_desc, out_ptr, pair_ptr, expert_ptr, top_k, H, I, s_xt, s_ot, num_blocks, num_col_tiles,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """w_desc: gate_up as [E * 2I, H] in [BLOCK_N, BLOCK_K] boxes (a box past an expert's gate or up rows
+    reads the next rows: they feed only output columns >= I, which are not stored). Writes the block's rows
+    of out [P, I] in the sorted order (a padding row: nothing)."""
     block, col_tile = _program_tile(num_blocks, num_col_tiles, GROUP_M)
-    expert = tl.load(expert_ptr + block)
+    expert = tl.load(expert_ptr + block).to(tl.int32)  # a box's coordinates are 32-bit
     if expert < 0:
         return
     pair, live, cols, col_mask = _block_tile(pair_ptr, block, col_tile, I, BLOCK_M, BLOCK_N)
     token = tl.where(live, pair // top_k, 0)
-    w = w_ptr + expert.to(tl.int64) * s_we
+    gate_row = expert * 2 * I + col_tile * BLOCK_N
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < H
-        a = tl.load(x_ptr + token[:, None].to(tl.int64) * s_xt + ks[None, :], mask=live[:, None] & k_mask[None, :],
+        a = tl.load(x_ptr + token[:, None].to(tl.int64) * s_xt + ks[None, :], mask=live[:, None] & (ks < H)[None, :],
                     other=0.0)
-        g = tl.load(w + cols[None, :] * s_wr + ks[:, None] * s_wc, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
-        u = tl.load(w + (cols[None, :] + I) * s_wr + ks[:, None] * s_wc, mask=col_mask[None, :] & k_mask[:, None],
-                    other=0.0)
+        g = w_desc.load([gate_row, k0])
+        u = w_desc.load([gate_row + I, k0])
         if UPCAST:  # the interpreter's 16-bit tl.dot is wrong (Triton 3.9)
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
-        gate = tl.dot(a, g, gate, input_precision=DOT_PREC)
-        up = tl.dot(a, u, up, input_precision=DOT_PREC)
+        gate = tl.dot(a, g.T, gate, input_precision=DOT_PREC)
+        up = tl.dot(a, u.T, up, input_precision=DOT_PREC)
     dt = out_ptr.dtype.element_ty
     gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)  # the reference's roundings
     act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    tl.store(out_ptr + pair[:, None].to(tl.int64) * s_ot + cols[None, :], (act * up).to(dt),
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * s_ot + cols[None, :], (act * up).to(dt),
              mask=live[:, None] & col_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
-def _down_kernel(h_ptr, w_ptr, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I,
-                 s_ht, s_we, s_wr, s_wc, s_ot, num_blocks, num_col_tiles,
+def _down_kernel(h_desc, w_desc, weight_ptr, out_ptr, pair_ptr, expert_ptr, H, I, s_ot, num_blocks, num_col_tiles,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """h_desc: the gate/up kernel's out [P, I] in [BLOCK_M, BLOCK_K] boxes (a padding row holds anything: it
+    feeds only its own output row, which is not stored); w_desc: down as [E * H, I] in [BLOCK_N, BLOCK_K]
+    boxes. Writes each live pair's row of out [T * k, H], scaled by its weight."""
     block, col_tile = _program_tile(num_blocks, num_col_tiles, GROUP_M)
-    expert = tl.load(expert_ptr + block)
+    expert = tl.load(expert_ptr + block).to(tl.int32)  # a box's coordinates are 32-bit
     if expert < 0:
         return
     pair, live, cols, col_mask = _block_tile(pair_ptr, block, col_tile, H, BLOCK_M, BLOCK_N)
     safe = tl.where(live, pair, 0).to(tl.int64)
-    w = w_ptr + expert.to(tl.int64) * s_we
+    w_row = expert * H + col_tile * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < I
-        a = tl.load(h_ptr + safe[:, None] * s_ht + ks[None, :], mask=live[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w + cols[None, :] * s_wr + ks[:, None] * s_wc, mask=col_mask[None, :] & k_mask[:, None], other=0.0)
+        a = h_desc.load([block * BLOCK_M, k0])
+        b = w_desc.load([w_row, k0])
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        acc = tl.dot(a, b.T, acc, input_precision=DOT_PREC)
     dt = out_ptr.dtype.element_ty
     scale = tl.load(weight_ptr + safe, mask=live, other=0.0).to(dt).to(tl.float32)
     rows_out = acc.to(dt).to(tl.float32) * scale[:, None]
@@ -252,6 +254,50 @@ def compile_launches(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, max_
     return len(runs)
 
 
+def moe_route(router_logits, top_k: int, renormalize: bool):
+    """ops/moe_reference.moe_route in one kernel: each program takes BLOCK_T tokens' logits, their softmax in
+    float32, and picks the top_k largest one after another (the lower id on a tie, as torch.topk)."""
+    T, num_experts = router_logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T:
+        logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+        block_e = triton.next_power_of_2(num_experts)
+        block_t = max(1, min(16, 2048 // block_e))  # ~16 values a thread of 4 warps
+        _route_kernel[(triton.cdiv(T, block_t),)](
+            logits, weights, ids, T, num_experts, logits.stride(0), K=top_k, RENORMALIZE=renormalize,
+            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k))
+    return weights, ids
+
+
+@triton.jit(do_not_specialize=["T"])
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, num_experts, s_lt, K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    real = experts < num_experts
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * s_lt + experts[None, :],
+                mask=(rows < T)[:, None] & real[None, :], other=0.0).to(tl.float32)
+    x = tl.where(real[None, :], x, float("-inf"))  # a row past T stays finite: no NaN below
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    left = tl.where(real[None, :], p, -1.0)  # -1: picked, or no expert
+    slots = tl.arange(0, BLOCK_K)
+    top_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(K):
+        value, best = tl.max(left, 1, return_indices=True, return_indices_tie_break_left=True)
+        top_w = tl.where(slots[None, :] == j, value[:, None], top_w)
+        top_i = tl.where(slots[None, :] == j, best[:, None].to(tl.int64), top_i)
+        left = tl.where(experts[None, :] == best[:, None], -1.0, left)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]
+    out = rows[:, None].to(tl.int64) * K + slots[None, :]
+    mask = (rows < T)[:, None] & (slots < K)[None, :]
+    tl.store(weights_ptr + out, top_w, mask=mask)
+    tl.store(ids_ptr + out, top_i, mask=mask)
+
+
 def moe_experts(x, gate_up, down, weights, ids, block_m: int | None = None, gate_up_tiles: Tiles | None = None,
                 down_tiles: Tiles | None = None):
     """block_m: the pairs of one expert a program takes; the tiles of each kernel (each None: moe_launch's).
@@ -265,7 +311,7 @@ def moe_experts(x, gate_up, down, weights, ids, block_m: int | None = None, gate
     block_m = block_m or tuned.block_m
     gate_up_tiles, down_tiles = gate_up_tiles or tuned.gate_up, down_tiles or tuned.down
     pair_of_row, expert_of_block = sorted_pairs(ids, num_experts, block_m)
-    hidden = torch.empty((T * k, inter), dtype=x.dtype, device=x.device)
+    hidden = torch.empty((pair_of_row.numel(), inter), dtype=x.dtype, device=x.device)  # by sorted row
     per_pair = torch.empty((T * k, H), dtype=x.dtype, device=x.device)  # every pair's row is written
     upcast, precision = not x.is_cuda, dot_precision(x.dtype)  # float32: exact products, not TF32
     x = x.contiguous()
@@ -273,17 +319,25 @@ def moe_experts(x, gate_up, down, weights, ids, block_m: int | None = None, gate
     n, kk = _fitted(gate_up_tiles, inter, H)
     col_tiles = triton.cdiv(inter, n)
     _gate_up_kernel[_grid(blocks, col_tiles, gate_up_tiles)](
-        x, gate_up, hidden, pair_of_row, expert_of_block, k, H, inter, x.stride(0), *gate_up.stride(), hidden.stride(0),
+        x, _boxes(gate_up, n, kk), hidden, pair_of_row, expert_of_block, k, H, inter, x.stride(0), hidden.stride(0),
         blocks, col_tiles, BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, GROUP_M=gate_up_tiles.group_m,
         UPCAST=upcast, DOT_PREC=precision, num_warps=gate_up_tiles.num_warps, num_stages=gate_up_tiles.num_stages)
     n, kk = _fitted(down_tiles, H, inter)
     col_tiles = triton.cdiv(H, n)
     _down_kernel[_grid(blocks, col_tiles, down_tiles)](
-        hidden, down, weights.reshape(-1).contiguous(), per_pair, pair_of_row, expert_of_block, H, inter,
-        hidden.stride(0), *down.stride(), per_pair.stride(0), blocks, col_tiles,
+        TensorDescriptor.from_tensor(hidden, [block_m, kk]), _boxes(down, n, kk), weights.reshape(-1).contiguous(),
+        per_pair, pair_of_row, expert_of_block, H, inter, per_pair.stride(0), blocks, col_tiles,
         BLOCK_M=block_m, BLOCK_N=n, BLOCK_K=kk, GROUP_M=down_tiles.group_m, UPCAST=upcast, DOT_PREC=precision,
         num_warps=down_tiles.num_warps, num_stages=down_tiles.num_stages)
     return per_pair.view(T, k, H).sum(dim=1)
+
+
+def _boxes(weights: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A TMA descriptor of stacked expert weights [E, R, C] as one [E * R, C] matrix in [rows, cols] boxes."""
+    if not weights.is_contiguous() or weights.shape[2] * weights.element_size() % 16:
+        raise ValueError(f"the experts' weights {tuple(weights.shape)} {weights.dtype}: TMA boxes need them contiguous "
+                         f"and rows of a multiple of 16 bytes")
+    return TensorDescriptor.from_tensor(weights.flatten(0, 1), [rows, cols])
 
 
 def _grid(blocks: int, col_tiles: int, tiles: Tiles) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Readable PyTorch versions of the mixture-of-experts ops (the contracts; Triton versions: not yet).
+"""Readable PyTorch versions of the mixture-of-experts ops (the contracts; the Triton versions: ops/moe.py).
 
     moe_route(router_logits[T, E], top_k, renormalize) -> (weights float32 [T, k], expert ids int64 [T, k])
         softmax over the experts in float32, the top_k largest (ties: the lower id first, as torch.topk),

@@ -144,6 +144,30 @@ def test_moe_ops_match_a_float64_loop(backend, tokens, top_k, renormalize, poiso
     assert torch.allclose(out.double(), float64_moe(x, logits, gate_up, down, top_k, renormalize), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens, num_experts, top_k, renormalize, dtype", [
+    (1, 8, 2, True, torch.float32), (37, 8, 1, False, torch.float32), (37, 8, 8, True, torch.float32),
+    (300, 128, 8, True, torch.bfloat16), (20, 60, 4, False, torch.float32)])
+def test_the_routing_kernel_takes_a_float64_softmax_top_k(tokens, num_experts, top_k, renormalize, dtype,
+                                                          poisoned_empty):
+    """ops/moe.py moe_route (Triton's interpreter on the CPU) against the softmax in float64 and its top k
+    picked by a stable sort: an exact tie in every row (the lower id first), a row one expert saturates, 60
+    experts (no power of two), all 8 of 8, bfloat16 logits (the router's dtype), more rows than one program."""
+    generator = torch.Generator().manual_seed(tokens + num_experts + top_k)
+    logits = (torch.randn(tokens, num_experts, generator=generator) * 2).to(dtype)
+    logits[:, 3] = logits[:, 1]
+    logits[0, 5] = 40.0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    weights, ids = ops.moe_route(logits.to(device), top_k, renormalize, backend="triton")
+    probs = torch.softmax(logits.double(), dim=-1)
+    expected_ids = torch.sort(-probs, dim=-1, stable=True).indices[:, :top_k]
+    expected = probs.gather(1, expected_ids)
+    if renormalize:
+        expected = expected / expected.sum(dim=-1, keepdim=True)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu(), expected_ids)
+    assert torch.allclose(weights.cpu().double(), expected, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("block_m, gate_up_tiles, down_tiles", [
     (32, Tiles(block_n=16, block_k=16), Tiles(block_n=16, block_k=16)),  # tiles narrower than the matrices
     (64, Tiles(block_n=128, block_k=128, num_warps=8, num_stages=3), Tiles(block_n=32, block_k=64)),  # wider
