@@ -1,5 +1,6 @@
-"""The Triton version of ops/moe_reference.moe_experts: the routed experts as two grouped GEMMs.
+"""The Triton versions of ops/moe_reference.py: the routing in one kernel, the routed experts as two grouped GEMMs.
 
+    moe_route(router_logits[T, E], top_k, renormalize) -> (weights float32 [T, k], ids int64 [T, k])
     moe_experts(x[T, H], gate_up[E, 2I, H], down[E, H, I], weights[T, k], ids[T, k]) -> [T, H]
 
 The T * k (token, expert) pairs are grouped by expert and each expert's run is padded to a multiple of
@@ -43,7 +44,7 @@ def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     rows = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
     counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    pair_of_row = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)  # a fill over the whole device, not one program's loop
+    pair_of_row = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)  # the whole device fills it
     expert_of_block = torch.empty(rows // block_m, dtype=torch.int64, device=ids.device)
     grid = (triton.cdiv(pairs, _PAIRS_PER_PROGRAM),)
     _count_kernel[grid](flat, counts, pairs, BLOCK=_PAIRS_PER_PROGRAM)
@@ -249,14 +250,16 @@ def compile_launches(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, max_
         runs.setdefault(moe_launch(tokens, num_experts, inter, hidden, dtype, device), tokens)
     for tokens in runs.values():
         x = torch.zeros(tokens, hidden, dtype=gate_up.dtype, device=gate_up.device)
-        ids = (torch.arange(tokens, device=x.device)[:, None] * top_k + torch.arange(top_k, device=x.device)) % num_experts
+        ids = torch.arange(tokens, device=x.device)[:, None] * top_k + torch.arange(top_k, device=x.device)
+        ids %= num_experts
         moe_experts(x, gate_up, down, torch.full((tokens, top_k), 1 / top_k, device=x.device), ids)
     return len(runs)
 
 
 def moe_route(router_logits, top_k: int, renormalize: bool):
     """ops/moe_reference.moe_route in one kernel: each program takes BLOCK_T tokens' logits, their softmax in
-    float32, and picks the top_k largest one after another (the lower id on a tie, as torch.topk)."""
+    float32, and picks the top_k largest one after another (the lower id on a tie, as the contract says; torch.topk
+    on CUDA orders ties otherwise)."""
     T, num_experts = router_logits.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)

@@ -1,8 +1,8 @@
 """Readable PyTorch versions of the mixture-of-experts ops (the contracts; the Triton versions: ops/moe.py).
 
     moe_route(router_logits[T, E], top_k, renormalize) -> (weights float32 [T, k], expert ids int64 [T, k])
-        softmax over the experts in float32, the top_k largest (ties: the lower id first, as torch.topk),
-        divided by their sum when renormalize.
+        softmax over the experts in float32, the top_k largest (ties: the lower id first, as torch.topk orders
+        them on the CPU), divided by their sum when renormalize.
     moe_experts(x[T, H], gate_up[E, 2I, H], down[E, H, I], weights[T, k], ids[T, k]) -> [T, H]
         sum over j of weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = ids[t, j]; gate
         is the first I rows of gate_up[e], up the last I. Each expert's rows are computed together, in x's
