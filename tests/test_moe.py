@@ -61,6 +61,26 @@ def test_greedy_matches_transformers(tmp_path, prompts, options, block_size, num
     assert torch.allclose(again(ids).logits, hf_model(ids).logits, atol=1e-4)
 
 
+def test_shared_prefixes_samples_and_cascade_stay_token_exact(tmp_path):
+    """The engine's sharing paths with sparse layers: prompts sharing a 40-token head (the prefix cache's hits
+    on the second pass, cascade attention on), n = 2 greedy samples of each (forked blocks, read once a
+    group), every sample equal to transformers' greedy output."""
+    from engine.stats import steps_table
+
+    path, hf_model = moe_checkpoint(tmp_path / "moe")
+    generator = torch.Generator().manual_seed(11)
+    head = torch.randint(0, 256, (40,), generator=generator).tolist()
+    prompts = [head + torch.randint(0, 256, (n,), generator=generator).tolist() for n in (3, 9, 1)]
+    expected, gap = reference_outputs(hf_model, prompts)
+    assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, device="cpu", block_size=4, cascade_attention="on")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))] == expected
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, n=2))
+    assert [[sample.token_ids for sample in o.outputs] for o in outputs] == [[e, e] for e in expected]
+    assert llm.stats().figures["prefix_cache_hit_tokens"] > 0
+    assert max(steps_table(llm.engine.stats.steps).column("cascade_rows").to_pylist()) > 0
+
+
 def test_a_block_scaled_fp8_moe_checkpoint_matches_transformers_on_its_weights(tmp_path, prompts):
     """Qwen's FP8 format for a MoE checkpoint (Qwen3-30B-A3B-FP8's): every projection, the experts' per-expert
     ones included, in e4m3 with weight_scale_inv per block, the router kept. Greedy float32 tokens equal
