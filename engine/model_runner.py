@@ -74,6 +74,7 @@ class ModelRunner:
         (KVBlockManager.block_tables_and_seq_lens)."""
         counts = np.array(batch.num_new_tokens, dtype=np.int64)
         cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        last_rows = cu_seqlens[1:].astype(np.int64) - 1  # each sequence's last input row
         draws = np.array(batch.draws, dtype=bool)
         n = batch.num_decode_seqs
         arrays = {
@@ -82,7 +83,7 @@ class ModelRunner:
             ]).astype(np.int64),
             "positions": new_token_positions(starts, counts), "slot_mapping": batch.slot_mapping,
             "block_tables": tables[:n], "seq_lens": seq_lens[:n],
-            "sampled_rows": cu_seqlens[1:][draws].astype(np.int64) - 1}
+            "sampled_rows": last_rows[draws]}
         if n < len(batch.seqs):
             arrays |= {"prefill_tables": tables[n:], "prefill_seq_lens": seq_lens[n:], "cu_seqlens": cu_seqlens[n:] - n}
         groups = self._prefix_groups(tables[:n], seq_lens[:n])
@@ -96,7 +97,7 @@ class ModelRunner:
             src = np.fromiter(map(previous.rows.get, map(_SEQ_ID, batch.seqs), repeat(-1)), np.int64, len(batch.seqs))
             waiting = np.flatnonzero((src >= 0) & draws)
             if len(waiting):
-                arrays["placeholders"] = np.stack([cu_seqlens[1:][waiting].astype(np.int64) - 1, src[waiting]])
+                arrays["placeholders"] = np.stack([last_rows[waiting], src[waiting]])
         return arrays
 
     def _prefix_groups(self, tables: np.ndarray, seq_lens: np.ndarray) -> PrefixGroups | None:
