@@ -4,8 +4,8 @@
     moe_experts(x[T, H], gate_up[E, 2I, H], down[E, H, I], weights[T, k], ids[T, k]) -> [T, H]
 
 The T * k (token, expert) pairs are grouped by expert and each expert's run is padded to a multiple of
-BLOCK_M (sorted_pairs: a fill and three small kernels on the device, sized by the bound T * k + E * (BLOCK_M -
-1), so nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
+BLOCK_M (sorted_pairs: one program at decode sizes, a fill and three small kernels above, on the device, sized by
+the bound T * k + E * (BLOCK_M - 1), so nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
 takes one block of BLOCK_M pairs of one expert and BLOCK_N columns of its intermediate: it gathers the
 pairs' token rows of x, multiplies them by that expert's gate and up rows over H, and writes silu(gate) *
 up in x's dtype ([P, I], by sorted row, so that the second kernel reads a block's rows as one box). The
@@ -36,25 +36,36 @@ def sorted_pairs(ids: torch.Tensor, num_experts: int, block_m: int):
     """(pair index per padded row int64 [P] (-1: padding), expert per block int64 [P // block_m] (-1: none))
     for ids [T, k]: the pairs t * k + j grouped by expert, in expert order, each expert's run padded to a
     multiple of block_m (its pairs in no set order: each pair's row of the product is its own);
-    P = the bound T * k + E * (block_m - 1), rounded up to block_m. Nothing on the host: every row -1 (a fill),
-    a histogram of the experts, the runs' layout (one program: a prefix sum over the experts), then each
-    pair's place."""
+    P = the bound T * k + E * (block_m - 1), rounded up to block_m. Nothing on the host. Up to ONE_PROGRAM_PAIRS
+    pairs (decode steps) one program does it all: fill, histogram, the runs' layout, each pair's place; above,
+    a fill of -1 and three kernels over the device (the histogram, the layout in one program, the places)."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     rows = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
-    pair_of_row = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)  # the whole device fills it
     expert_of_block = torch.empty(rows // block_m, dtype=torch.int64, device=ids.device)
+    block_e = triton.next_power_of_2(num_experts)
+    if pairs <= ONE_PROGRAM_PAIRS:
+        pair_of_row = torch.empty(rows, dtype=torch.int64, device=ids.device)
+        _one_program_kernel[(1,)](flat, counts, cursor, pair_of_row, expert_of_block, pairs, num_experts, rows,
+                                  block_m, BLOCK_P=ONE_PROGRAM_PAIRS, BLOCK_E=block_e,
+                                  BLOCK_ROWS=1024, BLOCK_BLOCKS=64, num_warps=8)
+        return pair_of_row, expert_of_block
+    counts.zero_()
+    pair_of_row = torch.full((rows,), -1, dtype=torch.int64, device=ids.device)  # the whole device fills it
     grid = (triton.cdiv(pairs, _PAIRS_PER_PROGRAM),)
     _count_kernel[grid](flat, counts, pairs, BLOCK=_PAIRS_PER_PROGRAM)
-    _layout_kernel[(1,)](counts, cursor, expert_of_block, num_experts, rows, block_m,
-                         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_BLOCKS=64)
+    _layout_kernel[(1,)](counts, cursor, expert_of_block, num_experts, rows, block_m, BLOCK_E=block_e,
+                         BLOCK_BLOCKS=64)
     _place_kernel[grid](flat, cursor, pair_of_row, pairs, BLOCK=_PAIRS_PER_PROGRAM)
     return pair_of_row, expert_of_block
 
 
 _PAIRS_PER_PROGRAM = 1024
+# Pairs that one program lays out (256 tokens of top 8): its four steps cost less than four launches there. One
+# block of them whatever the count: one variant to compile
+ONE_PROGRAM_PAIRS = 2048
 
 
 @triton.jit(do_not_specialize=["pairs"])  # T * k: one variant whatever its divisibility (NOTES, session 35)
@@ -66,12 +77,13 @@ def _count_kernel(ids_ptr, counts_ptr, pairs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _layout_kernel(counts_ptr, cursor_ptr, expert_ptr, num_experts, rows, block_m,
-                   BLOCK_E: tl.constexpr, BLOCK_BLOCKS: tl.constexpr):
-    """One program: each expert's padded run start (the cursor its pairs are placed from) and each block's
-    expert: the number of runs that end at or before the block's start (-1 past the last)."""
+def _lay_out_runs(counts_ptr, cursor_ptr, expert_ptr, num_experts, rows, block_m,
+                  BLOCK_E: tl.constexpr, BLOCK_BLOCKS: tl.constexpr):
+    """Each expert's padded run start (the cursor its pairs are placed from) and each block's expert: the number
+    of runs that end at or before the block's start (-1 past the last). The counts are read from L2 (.cg): in
+    the one-program kernel they are atomics' results of the same program."""
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0, cache_modifier=".cg")
     padded = (counts + block_m - 1) // block_m * block_m
     run_end = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + experts, run_end - padded, mask=experts < num_experts)
@@ -81,6 +93,35 @@ def _layout_kernel(counts_ptr, cursor_ptr, expert_ptr, num_experts, rows, block_
         ended = tl.sum((run_end[None, :] <= (blocks * block_m)[:, None]).to(tl.int32), 1)
         expert = tl.where(ended < num_experts, ended, -1)
         tl.store(expert_ptr + blocks, expert.to(tl.int64), mask=blocks < rows // block_m)
+
+
+@triton.jit
+def _layout_kernel(counts_ptr, cursor_ptr, expert_ptr, num_experts, rows, block_m,
+                   BLOCK_E: tl.constexpr, BLOCK_BLOCKS: tl.constexpr):
+    _lay_out_runs(counts_ptr, cursor_ptr, expert_ptr, num_experts, rows, block_m, BLOCK_E, BLOCK_BLOCKS)
+
+
+@triton.jit(do_not_specialize=["pairs", "rows"])
+def _one_program_kernel(ids_ptr, counts_ptr, cursor_ptr, pair_ptr, expert_ptr, pairs, num_experts, rows, block_m,
+                        BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                        BLOCK_BLOCKS: tl.constexpr):
+    """sorted_pairs of up to BLOCK_P pairs in one program: every row -1 and every count 0, then (after a barrier,
+    which orders the threads' global writes) the histogram, the layout, each pair's place, as the three kernels."""
+    experts = tl.arange(0, BLOCK_E)
+    tl.store(counts_ptr + experts, tl.zeros([BLOCK_E], tl.int32), mask=experts < num_experts)
+    for first in range(0, rows, BLOCK_ROWS):
+        row = first + tl.arange(0, BLOCK_ROWS)
+        tl.store(pair_ptr + row, tl.full([BLOCK_ROWS], -1, tl.int64), mask=row < rows)
+    offs = tl.arange(0, BLOCK_P)
+    live = offs < pairs
+    expert = tl.load(ids_ptr + offs, mask=live, other=0)
+    tl.debug_barrier()
+    tl.atomic_add(counts_ptr + expert, tl.full([BLOCK_P], 1, tl.int32), mask=live)
+    tl.debug_barrier()
+    _lay_out_runs(counts_ptr, cursor_ptr, expert_ptr, num_experts, rows, block_m, BLOCK_E, BLOCK_BLOCKS)
+    tl.debug_barrier()
+    row = tl.atomic_add(cursor_ptr + expert, tl.full([BLOCK_P], 1, tl.int32), mask=live)
+    tl.store(pair_ptr + row, offs.to(tl.int64), mask=live)
 
 
 @triton.jit(do_not_specialize=["pairs"])

@@ -305,11 +305,13 @@ def test_no_experts_kernel_compiles_after_compile_launches(tuned_table, poisoned
     assert variants() == before
 
 
-@pytest.mark.parametrize("tokens, top_k, num_experts, block_m", [(1, 8, 128, 16), (300, 4, 8, 16), (700, 2, 8, 64)])
+@pytest.mark.parametrize("tokens, top_k, num_experts, block_m",
+                         [(1, 8, 128, 16), (256, 8, 128, 16), (300, 4, 8, 16), (700, 2, 8, 64), (1100, 2, 8, 16)])
 def test_sorted_pairs_lay_out_every_pair_once_in_its_experts_run(tokens, top_k, num_experts, block_m):
     """ops/moe.py's layout, by hand: each expert's pairs fill a run of whole blocks of its own, runs in expert
     order, every pair exactly once, the rest -1; blocks past the last run have expert -1. Uneven routing (expert
-    1 favoured), an expert no token picks, and more pairs than one program counts (700 x 2 > 1,024)."""
+    1 favoured), an expert no token picks; up to ONE_PROGRAM_PAIRS in one program (256 x 8 at its bound), above
+    it in three kernels of several programs each (1,100 x 2)."""
     from ops.moe import sorted_pairs
 
     generator = torch.Generator().manual_seed(tokens)
