@@ -40,7 +40,7 @@ def stubbed_engine(num_seqs: int) -> LLMEngine:
     engine = LLMEngine(engine_config_of(cfg))  # the plain dataclasses a job hands the engine, not omegaconf's
     torch.set_num_threads(1)
     hidden = engine.model.arch.hidden_size
-    engine.runner.forward = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
+    engine.runner.forward = lambda ids, pos, meta: (torch.zeros(ids.shape[0], hidden), None)
     engine.model.compute_logits = lambda h: torch.zeros(h.shape[0], STUB_VOCAB)
     return engine
 

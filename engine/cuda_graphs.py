@@ -1,9 +1,14 @@
-"""CUDA graphs: of the decode forward, one per batch-size bucket (DecodeGraphs), and of the forward of a
-step with prompt chunks, cut at its attention calls (PiecewiseGraphs).
+"""CUDA graphs: of the decode forward and its logits, one per batch-size bucket (DecodeGraphs), with a graph
+of the draw from those logits beside each; and of the forward of a step with prompt chunks, cut at its
+attention calls (PiecewiseGraphs).
 
 A decode step copies its inputs into static buffers, pads the batch up to the smallest bucket that
 holds it (padding rows: slot -1, so nothing is written, seq_len 0, so nothing is read, and last in
-decode_order) and replays that bucket's graph. block_tables are as wide as max_model_len needs, so a
+decode_order) and replays that bucket's graph, which ends with the logits of every row (a decode row is
+its sequence's last, and each draws). A step whose rows all draw from those logits as they are, at a
+temperature with no truncation (the Gumbel-max sampler: no processor, mask, fork or truncation), copies
+the sampling fields into the draw graph's buffers and replays it: the host launches two graphs instead of
+the head's matmul and the sampler's kernels (host-bound steps of small models: benchmarks/NOTES.md). block_tables are as wide as max_model_len needs, so a
 graph never depends on the batch's current lengths. With a CascadePolicy, buckets of at least its
 min_step_rows also get a cascade graph, for steps whose decode rows share prefixes: its static group buffers
 hold max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
@@ -22,6 +27,7 @@ import time
 
 import torch
 
+import ops
 from engine.attention import AttentionMetadata, CascadeMetadata
 from engine.models.decoder import ForwardState
 from engine.prefix_groups import CascadePolicy
@@ -87,29 +93,48 @@ class DecodeGraphs:
                 torch.zeros(1 + cascade.prefix_pass.max_items(max_batch, entries), WORK_FIELDS, dtype=torch.int32,
                             device=device))
             keys += [(size, True) for size in self.buckets if size >= cascade.min_step_rows]
-        self.graphs, self.outputs = {}, {}
-        pool = None
-        for key in sorted(keys, reverse=True):  # largest first, so the smaller ones reuse its pool
-            graph = torch.cuda.CUDAGraph()
-            self._forward(*key)  # warm-up: compiles kernels, sizes the allocator outside the capture
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[key] = self._forward(*key)
-            pool = pool or graph.pool()
-            self.graphs[key] = graph
+        # every bucket's logits, in one buffer (a bucket's own output would hold its rows x vocab for good)
+        self.logits_out = torch.empty(max_batch, model.arch.vocab_size, dtype=model.dtype, device=device)
+        # the draw graphs' inputs: each row's temperature, seed and output index (SamplingTensors')
+        self.temperature = torch.ones(max_batch, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.step = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.graphs, self.draws, self.tokens = {}, {}, {}
+        self._last: tuple[tuple[int, bool], torch.Tensor] | None = None  # the last run's key and logits view
+        pools = {"forward": None, "draw": None}  # largest first, so the smaller ones reuse the largest's pool
+        for key in sorted(keys, reverse=True):
+            self.graphs[key], _ = self._captured(lambda: self._forward(*key), pools, "forward")
+            self.draws[key], self.tokens[key] = self._captured(lambda: self._draw(key[0]), pools, "draw")
         torch.cuda.synchronize()
+
+    @staticmethod
+    def _captured(fn, pools: dict, name: str) -> "tuple[torch.cuda.CUDAGraph, torch.Tensor]":
+        """fn's graph in pools[name] (the first capture makes it) and its output; a warm-up call before
+        compiles kernels and sizes the allocator outside the capture."""
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pools[name]):
+            out = fn()
+        pools[name] = pools[name] or graph.pool()
+        return graph, out
 
     def _forward(self, size: int, cascade: bool) -> torch.Tensor:
         meta = AttentionMetadata(self.inputs.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
                                  cascade=self.groups if cascade else None,
                                  decode_order=None if cascade else self.decode_order[:size])
-        return self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_cache, meta)
+        hidden = self.model(self.inputs.input_ids[:size], self.inputs.positions[:size], self.kv_cache, meta)
+        return self.model.compute_logits(hidden, out=self.logits_out[:size])
+
+    def _draw(self, size: int) -> torch.Tensor:
+        return ops.gumbel_sample(self.logits_out[:size], self.temperature[:size], self.seed[:size], self.step[:size])
 
     def fits(self, batch_size: int, cascade: bool = False) -> bool:
         """Whether a graph runs a decode batch of this size (with shared-prefix groups: cascade)."""
         return (smallest_bucket(self.buckets, batch_size), cascade) in self.graphs
 
     def run(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        """Final hidden states [B, hidden] of a decode batch that fits (meta.cascade: its graph)."""
+        """Logits [B, vocab] of a decode batch that fits (meta.cascade: its graph): a view of the buffer that
+        every bucket writes, valid until the next run."""
         batch = input_ids.shape[0]
         key = (smallest_bucket(self.buckets, batch), meta.cascade is not None)
         size = key[0]
@@ -123,7 +148,22 @@ class DecodeGraphs:
         if meta.cascade is not None:
             copy_groups(self.groups, meta.cascade)
         self.graphs[key].replay()
-        return self.outputs[key][:batch]
+        logits = self.logits_out[:batch]
+        self._last = key, logits
+        return logits
+
+    def draw(self, logits: torch.Tensor, temperature, seed, step) -> torch.Tensor | None:
+        """Tokens int64 [B] drawn by the Gumbel-max sampler (ops.gumbel_sample) from the logits of the last run,
+        which must be the very tensor it returned (not a copy, a selection or a processed version), with
+        float32 temperature [B] and int64 seed and step [B]; None for any other logits. The tokens are a
+        copy: the graph's own are overwritten by the next draw."""
+        if self._last is None or logits is not self._last[1]:
+            return None
+        key, batch = self._last[0], logits.shape[0]
+        for static, values in ((self.temperature, temperature), (self.seed, seed), (self.step, step)):
+            static[:batch].copy_(values, non_blocking=True)
+        self.draws[key].replay()
+        return self.tokens[key][:batch].clone()
 
 
 PIECE_BUCKETS = 64  # at most about this many multiples of the step, so that capture time stays bounded

@@ -2,7 +2,8 @@
 
 Per-step metadata is built on the CPU with numpy (no per-token Python loops), staged in pinned memory
 on CUDA and copied without blocking (engine/staging.py); every layer reads the same AttentionMetadata. On
-CUDA, decode-only steps replay CUDA graphs (engine/cuda_graphs.py); steps with prefill chunks replay graphs
+CUDA, decode-only steps replay CUDA graphs of the forward and the logits, and of the Gumbel-max draw where it
+applies (engine/cuda_graphs.py); steps with prefill chunks replay graphs
 of the pieces between attention calls (model.piecewise_graphs, on by default there), else run eagerly;
 decode batches above the largest graph run eagerly. With a CascadePolicy, decode rows that share a
 prefix of blocks take cascade attention (engine/prefix_groups.py); a step without such groups starts its
@@ -119,13 +120,15 @@ class ModelRunner:
         return AttentionMetadata(inputs["slot_mapping"], inputs["block_tables"], inputs["seq_lens"], prefill, cascade,
                                  inputs.get("decode_order"))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(final hidden states [T, hidden], None) of a step, or (None, logits [T, vocab]) where a decode graph
+        ran, which computes every row's (each row of a decode step is one that draws)."""
         if meta.prefill is None:
             if self.graphs is not None and self.graphs.fits(input_ids.shape[0], meta.cascade is not None):
-                return self.graphs.run(input_ids, positions, meta)
+                return None, self.graphs.run(input_ids, positions, meta)
         elif self.pieces is not None and self.pieces.fits(input_ids.shape[0]):
-            return self.pieces.run(input_ids, positions, meta)
-        return self.model(input_ids, positions, self.kv_cache, meta)
+            return self.pieces.run(input_ids, positions, meta), None
+        return self.model(input_ids, positions, self.kv_cache, meta), None
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, previous: "InFlight | None", step: int,
@@ -158,12 +161,13 @@ class ModelRunner:
         if "placeholders" in inputs:
             dst, src = inputs["placeholders"]
             inputs["input_ids"][dst] = previous.device_tokens[src]
-        hidden = self.forward(inputs["input_ids"], inputs["positions"], self.attention_metadata(inputs))
+        hidden, logits = self.forward(inputs["input_ids"], inputs["positions"], self.attention_metadata(inputs))
         if "block_copies" in inputs:  # after the forward that wrote them, before any later step reads them
             self.kv_cache.copy_blocks(*inputs["block_copies"])
         if to_sampling is None:  # only prefill chunks that end before their prompt does
             return None
-        logits = self.model.compute_logits(hidden[inputs["sampled_rows"]])
+        if logits is None:
+            logits = self.model.compute_logits(hidden[inputs["sampled_rows"]])
         if "logit_rows" in inputs:
             logits = logits[inputs["logit_rows"]]
         params = to_sampling(uploaded[len(arrays):])
@@ -179,12 +183,18 @@ class ModelRunner:
         step_in_flight = InFlight(drawing, output_index, sample)
         return step_in_flight.drawn() if masks is None else step_in_flight
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor, hidden: torch.Tensor, segments: list[PromptSegment]
-                ) -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
-        """Enqueue the draw from the inputs' logits (processed, masked), the penalties' record of it and the
-        logprobs (of the raw logits): (tokens int64 [B] on the device, the inputs, the logprobs or None)."""
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, hidden: torch.Tensor | None,
+                segments: list[PromptSegment]) -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
+        """Enqueue the draw from the inputs' logits (processed, masked; a decode graph's own logits drawn by its
+        draw graph where the sampler is the Gumbel-max one), the penalties' record of it and the logprobs (of the
+        raw logits): (tokens int64 [B] on the device, the inputs, the logprobs or None). hidden: None where a
+        decode graph ran (no prompt segment then)."""
         params = inputs.sampling
-        tokens = draw(inputs.logits, params, self.sampler_fallbacks)
+        tokens = None
+        if self.graphs is not None and not params.all_greedy and not params.any_truncation:
+            tokens = self.graphs.draw(inputs.logits, params.temperature, params.seed, params.step)
+        if tokens is None:
+            tokens = draw(inputs.logits, params, self.sampler_fallbacks)
         if params.penalties is not None:
             self.history.record(params.penalties, tokens)
         asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]

@@ -313,9 +313,12 @@ class DecoderForCausalLM(nn.Module):
         sparse = next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeMLP)), None)
         return 0 if sparse is None else sparse.compile_launches(max_tokens)
 
-    def compute_logits(self, hidden):
-        """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden, out=None):
+        """Logits [rows, vocab] in the model's dtype: the sampler widens them to float32 as it reads them.
+        out: the tensor to write them into (a decode graph's static buffer)."""
+        if out is None:
+            return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
 
     @classmethod
     def arch_from_config(cls, config: dict, where: str) -> DecoderArch:
