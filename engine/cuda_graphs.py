@@ -5,15 +5,16 @@ attention calls (PiecewiseGraphs).
 A decode step copies its inputs into static buffers, pads the batch up to the smallest bucket that
 holds it (padding rows: slot -1, so nothing is written, seq_len 0, so nothing is read, and last in
 decode_order) and replays that bucket's graph, which ends with the logits of every row (a decode row is
-its sequence's last, and each draws). A step whose rows all draw from those logits as they are, at a
-temperature with no truncation (the Gumbel-max sampler: no processor, mask, fork or truncation), copies
-the sampling fields into the draw graph's buffers and replays it: the host launches two graphs instead of
-the head's matmul and the sampler's kernels (host-bound steps of small models: benchmarks/NOTES.md). block_tables are as wide as max_model_len needs, so a
-graph never depends on the batch's current lengths. With a CascadePolicy, buckets of at least its
-min_step_rows also get a cascade graph, for steps whose decode rows share prefixes: its static group buffers
-hold max_entries groups, the step's groups followed by empty ones (cu_group_rows repeats its last value,
-prefix 0), its static plan the prefix pass's work list in its first rows (the op reads only as many as the
-first counts), and the bucket's padding rows come after every group.
+its sequence's last, and each draws). block_tables are as wide as max_model_len needs, so a graph never
+depends on the batch's current lengths. With a CascadePolicy, buckets of at least its min_step_rows also
+get a cascade graph, for steps whose decode rows share prefixes: its static group buffers hold max_entries
+groups, the step's groups followed by empty ones (cu_group_rows repeats its last value, prefix 0), its
+static plan the prefix pass's work list in its first rows (the op reads only as many as the first counts),
+and the bucket's padding rows come after every group. A step whose rows all draw from those logits as they
+are, at a temperature with no truncation (the Gumbel-max sampler: no processor, mask, fork or truncation),
+copies the sampling fields into the draw graph's buffers and replays it: the host launches two graphs
+instead of the head's matmul and the sampler's kernels (host-bound steps of small models:
+benchmarks/NOTES.md).
 
 A step with prompt chunks has lengths, chunks and groups of its own, so its attention (the kernels'
 grids and metadata) cannot be a graph's; everything else in it depends only on its token count. The

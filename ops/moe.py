@@ -3,17 +3,16 @@
     moe_route(router_logits[T, E], top_k, renormalize) -> (weights float32 [T, k], ids int64 [T, k])
     moe_experts(x[T, H], gate_up[E, 2I, H], down[E, H, I], weights[T, k], ids[T, k]) -> [T, H]
 
-The T * k (token, expert) pairs are grouped by expert and each expert's run is padded to a multiple of
-BLOCK_M (sorted_pairs: one program at decode sizes, a fill and three small kernels above, on the device, sized by
-the bound T * k + E * (BLOCK_M - 1), so nothing waits for the host and the grids depend only on T, k and E). Each program of the first kernel
-takes one block of BLOCK_M pairs of one expert and BLOCK_N columns of its intermediate: it gathers the
-pairs' token rows of x, multiplies them by that expert's gate and up rows over H, and writes silu(gate) *
-up in x's dtype ([P, I], by sorted row, so that the second kernel reads a block's rows as one box). The
-second kernel multiplies those rows by the expert's down projection and scales each by its pair's weight
-([T * k, H], by pair); the k rows of a token are summed after. The weights (and the second kernel's rows)
-are read in TMA boxes (tensor descriptors). A
-block past the last expert's run (expert -1) does nothing; an expert no token picks has no block, so its
-weights are never read.
+The T * k (token, expert) pairs are grouped by expert and each expert's run is padded to a multiple of BLOCK_M
+(sorted_pairs: one program at decode sizes, a fill and three small kernels above, on the device, sized by the bound
+T * k + E * (BLOCK_M - 1), so nothing waits for the host and the grids depend only on T, k and E). Each program of
+the first kernel takes one block of BLOCK_M pairs of one expert and BLOCK_N columns of its intermediate: it gathers
+the pairs' token rows of x, multiplies them by that expert's gate and up rows over H, and writes silu(gate) * up in
+x's dtype ([P, I], by sorted row, so that the second kernel reads a block's rows as one box). The second kernel
+multiplies those rows by the expert's down projection and scales each by its pair's weight ([T * k, H], by pair);
+the k rows of a token are summed after. The weights (and the second kernel's rows) are read in TMA boxes (tensor
+descriptors). A block past the last expert's run (expert -1) does nothing; an expert no token picks has no block, so
+its weights are never read.
 
 Which tiles: moe_launch(T, ...) reads the table that benchmarks/moe_op.py --save measured for the shape, the
 dtype and the device (ops/moe_tuned/<key>.json: the fastest launch at each token count it swept; the
