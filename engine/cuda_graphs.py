@@ -1,5 +1,5 @@
 """CUDA graphs: of the decode forward and its logits, one per batch-size bucket (DecodeGraphs), with a graph
-of the draw from those logits beside each; and of the forward of a step with prompt chunks, cut at its
+of the draw from those logits per bucket size; and of the forward of a step with prompt chunks, cut at its
 attention calls (PiecewiseGraphs).
 
 A decode step copies its inputs into static buffers, pads the batch up to the smallest bucket that
@@ -100,12 +100,13 @@ class DecodeGraphs:
         self.temperature = torch.ones(max_batch, dtype=torch.float32, device=device)
         self.seed = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.step = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.graphs, self.draws, self.tokens = {}, {}, {}
-        self._last: tuple[tuple[int, bool], torch.Tensor] | None = None  # the last run's key and logits view
+        self.graphs, self.draws, self.tokens = {}, {}, {}  # draws and tokens by bucket size: a cascade twin shares
+        self._last: tuple[int, torch.Tensor] | None = None  # the last run's bucket size and logits view
         pools = {"forward": None, "draw": None}  # largest first, so the smaller ones reuse the largest's pool
         for key in sorted(keys, reverse=True):
             self.graphs[key], _ = self._captured(lambda: self._forward(*key), pools, "forward")
-            self.draws[key], self.tokens[key] = self._captured(lambda: self._draw(key[0]), pools, "draw")
+        for size in sorted(self.buckets, reverse=True):
+            self.draws[size], self.tokens[size] = self._captured(lambda: self._draw(size), pools, "draw")
         torch.cuda.synchronize()
 
     @staticmethod
@@ -150,7 +151,7 @@ class DecodeGraphs:
             copy_groups(self.groups, meta.cascade)
         self.graphs[key].replay()
         logits = self.logits_out[:batch]
-        self._last = key, logits
+        self._last = size, logits
         return logits
 
     def draw(self, logits: torch.Tensor, temperature, seed, step) -> torch.Tensor | None:
@@ -160,11 +161,11 @@ class DecodeGraphs:
         copy: the graph's own are overwritten by the next draw."""
         if self._last is None or logits is not self._last[1]:
             return None
-        key, batch = self._last[0], logits.shape[0]
+        size, batch = self._last[0], logits.shape[0]
         for static, values in ((self.temperature, temperature), (self.seed, seed), (self.step, step)):
             static[:batch].copy_(values, non_blocking=True)
-        self.draws[key].replay()
-        return self.tokens[key][:batch].clone()
+        self.draws[size].replay()
+        return self.tokens[size][:batch].clone()
 
 
 PIECE_BUCKETS = 64  # at most about this many multiples of the step, so that capture time stays bounded

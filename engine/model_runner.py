@@ -190,17 +190,18 @@ class ModelRunner:
         raw logits): (tokens int64 [B] on the device, the inputs, the logprobs or None). hidden: None where a
         decode graph ran (no prompt segment then)."""
         params = inputs.sampling
-        tokens = None
-        if self.graphs is not None and not params.all_greedy and not params.any_truncation:
-            tokens = self.graphs.draw(inputs.logits, params.temperature, params.seed, params.step)
-        if tokens is None:
-            tokens = draw(inputs.logits, params, self.sampler_fallbacks)
+        tokens = draw(inputs.logits, params, self.sampler_fallbacks, self._gumbel)
         if params.penalties is not None:
             self.history.record(params.penalties, tokens)
         asked = [params.num_logprobs] + [s.seq.sampling.prompt_logprobs for s in segments]
         k = max((a for a in asked if a is not None), default=None)
         logprobs = None if k is None else StepLogprobs(self._logprobs(logits, tokens, hidden, segments, k), segments)
         return tokens, inputs, logprobs
+
+    def _gumbel(self, logits, temperature, seed, step) -> torch.Tensor:
+        """ops.gumbel_sample's draw, by the decode graphs' draw graph where the logits are their own."""
+        tokens = None if self.graphs is None else self.graphs.draw(logits, temperature, seed, step)
+        return ops.gumbel_sample(logits, temperature, seed, step) if tokens is None else tokens
 
     def _start_masks(self, drawing: list[Sequence], output_index: list[int], previous: "InFlight | None",
                      previous_tokens: Callable[["InFlight"], list[int]], step: int

@@ -118,13 +118,15 @@ def sample(logits: torch.Tensor, t: SamplingTensors, fallbacks: torch.Tensor | N
     return draw(processed_logits(logits, t), t, fallbacks)
 
 
-def draw(logits: torch.Tensor, t: SamplingTensors, fallbacks: torch.Tensor | None = None) -> torch.Tensor:
+def draw(logits: torch.Tensor, t: SamplingTensors, fallbacks: torch.Tensor | None = None,
+         gumbel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The samplers on processed logits (processed_logits); fallbacks: int32 [1] on the device, increased
-    by the rows the truncating kernel drew through its exact fallback (ops/sampling.py)."""
+    by the rows the truncating kernel drew through its exact fallback (ops/sampling.py); gumbel: what runs
+    ops.gumbel_sample's draw (its arguments; default: it)."""
     if t.all_greedy:
         return logits.argmax(dim=-1)
     if not t.any_truncation:  # one pass over the logits; rows at temperature 0 take the argmax
-        return ops.gumbel_sample(logits, t.temperature, t.seed, t.step)
+        return (gumbel or ops.gumbel_sample)(logits, t.temperature, t.seed, t.step)
     return ops.top_k_top_p_sample(logits, t.temperature, t.top_k, t.top_p, t.seed, t.step, min_p=t.min_p,
                                   fallbacks=fallbacks)
 
