@@ -5,6 +5,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from engine.sampler import MAX_LOGPROBS, start_compiling_samplers
 from engine.scheduler import Scheduler
 from engine.sequence import PLACEHOLDER, SamplingParams, Sequence, Status
 from engine.startup import Laps, process_age_s
-from engine.stats import StatsRecorder, snapshot
+from engine.stats import StatsRecorder, run_stats, snapshot
 from engine.structured import GrammarCompiler, StructuredOutputsParams
 from engine.tokenizer import load_tokenizer
 from engine.watchdog import stalled, step_deadline_s, wait_until
@@ -38,6 +39,21 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # an H200 (benchmarks/NOTES.md); on the CPU small batches, where a step's cost grows with its tokens.
 SCHEDULER_DEFAULTS = {"cuda": (512, 16384), "cpu": (64, 2048)}
 GRAMMAR_TIMEOUT_S = 60.0  # a constraint's grammar must compile within this
+# device steps a decode run takes at most when scheduler.num_scheduler_steps is unset: on CUDA 8 (a small model's
+# nano on a host shared with busy processes: 1.9-2.5x faster than one step; no change where the host keeps up:
+# benchmarks/NOTES.md, session 38); on the CPU one, where the device is the host
+SCHEDULER_STEPS = {"cuda": 8, "cpu": 1}
+_DRAWS_AHEAD = attrgetter("draws_ahead")
+
+
+def drawn_tokens(step: InFlight, tokens: list) -> Iterator[tuple[int, Sequence, int, int]]:
+    """(row, sequence, output index, token) of each token a step drew: a row's, or a decode run's rows with
+    their tokens in order (tokens: [num_steps][rows], row i's first step.steps[i] valid)."""
+    if step.steps is None:
+        return zip(itertools.count(), step.seqs, step.output_index, tokens)
+    rows = zip(step.seqs, step.output_index, zip(*tokens), step.steps)
+    return ((row, seq, index + j, column[j]) for row, (seq, index, column, count) in enumerate(rows)
+            for j in range(count))
 
 
 def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
@@ -144,6 +160,7 @@ class LLMEngine:
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device,
                                          per_block // (self.block_size * spec.num_layers), self._prefix_pass(kv_dtype))
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
+        self.num_scheduler_steps = cfg.scheduler.num_scheduler_steps or SCHEDULER_STEPS[self.device.type]
         eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
         graph_batch = 0 if eager else max_num_seqs
         piece_tokens = min(max_num_batched_tokens, PIECE_MAX_TOKENS) if piecewise_graphs_on(cfg.model, self.device) \
@@ -273,10 +290,13 @@ class LLMEngine:
             raise RequestError(f"needs {need} blocks of {self.block_size} tokens; the pool has {self.num_blocks}")
 
     def step(self) -> list[Sequence]:
-        """Schedule and launch one step, then resolve the step before it (whose tokens the device has
-        computed meanwhile); returns the sequences that finished. The host prepares step N + 1 while
-        the device still runs step N."""
+        """Schedule and launch one step (or a decode run of several: _run_steps), then resolve the step
+        before it (whose tokens the device has computed meanwhile); returns the sequences that finished. The
+        host prepares step N + 1 while the device still runs step N."""
         batch = self.scheduler.schedule()
+        run_steps = self._run_steps(batch)
+        if run_steps > 1:
+            self.scheduler.extend_decodes(batch, run_steps)
         stats = snapshot(len(self.stats.steps), batch, self.scheduler, self.block_manager, self.max_model_len)
         launched = self.runner.launch(batch, self._in_flight, stats.step, self._tokens) if batch.seqs else None
         stats.cascade_rows = self.runner.cascade_rows if batch.seqs else 0
@@ -285,7 +305,9 @@ class LLMEngine:
         self._in_flight = launched
         stats.finished, stats.step_time_s = len(finished), self.stats.lap()
         self._slowest_step_s = max(self._slowest_step_s, stats.step_time_s)
-        if batch.seqs:
+        if batch.num_steps > 1:
+            self.stats.steps += run_stats(stats, batch.num_new_tokens)
+        elif batch.seqs:
             self.stats.add(stats)
         elif self.stats.steps:  # only resolved the step before: its time and finishes belong to that one
             self.stats.steps[-1].step_time_s += stats.step_time_s
@@ -294,10 +316,23 @@ class LLMEngine:
             raise AssertionError(f"block manager invariants broken after step {stats.step}")
         return finished
 
+    def _run_steps(self, batch) -> int:
+        """How many device steps the batch may run as one (scheduler.num_scheduler_steps): a decode-only batch
+        without forks whose rows all draw ahead (Sequence.draws_ahead), while no request waits (a run would hold
+        back its admission), else 1."""
+        if (self.num_scheduler_steps == 1 or batch.num_decode_seqs < len(batch.seqs) or batch.forks
+                or self.scheduler.waiting):
+            return 1
+        return self.num_scheduler_steps if all(map(_DRAWS_AHEAD, batch.seqs)) else 1
+
     def _account(self, batch) -> None:
         """A launched chunk that ends its sequence's prefill drew a token, as did the samples forked from
         it, which stays a placeholder until resolved (the chunks' tokens counted as computed when the
-        scheduler allocated their slots)."""
+        scheduler allocated their slots); a decode run's rows drew one a step."""
+        if batch.num_steps > 1:
+            for seq, count in zip(batch.seqs, batch.num_new_tokens):
+                seq.output_token_ids += [PLACEHOLDER] * count
+            return
         for seq in itertools.compress(batch.seqs, batch.draws):
             seq.output_token_ids.append(PLACEHOLDER)
         for fork in batch.forks:
@@ -312,9 +347,9 @@ class LLMEngine:
         if logprobs is not None:
             logprobs.add_prompts()
         eos, caching, block_size = self.eos_token_ids, self.prefix_caching, self.block_size
-        for row, (seq, index, token) in enumerate(zip(step.seqs, step.output_index, tokens)):
+        for row, seq, index, token in drawn_tokens(step, tokens):
             if seq.status is Status.FINISHED:
-                continue  # stopped by the token before: this one was drawn past the end
+                continue  # stopped by a token before: this one was drawn past the end
             seq.output_token_ids[index] = token
             if logprobs is not None:
                 logprobs.add_output(seq, row)
@@ -334,9 +369,9 @@ class LLMEngine:
                 self.block_manager.register_known_blocks(seq)
         return finished
 
-    def _tokens(self, step: InFlight) -> list[int]:
-        """The step's sampled tokens, once the device has them; StepTimeout (its inputs saved in run_dir)
-        if that takes longer than the watchdog's deadline."""
+    def _tokens(self, step: InFlight) -> list:
+        """The step's sampled tokens (a decode run's, a list a step), once the device has them; StepTimeout
+        (its inputs saved in run_dir) if that takes longer than the watchdog's deadline."""
         deadline = step_deadline_s(self.cfg.scheduler.step_timeout_s, self._slowest_step_s)
         if not wait_until(step.drawn().done, deadline):
             raise stalled(step.inputs, deadline, self.run_dir)

@@ -14,7 +14,7 @@ sequence in a step draw from its logits row, each with its own seed.
 """
 import concurrent.futures
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import compress, repeat
 from operator import attrgetter
 
@@ -87,19 +87,20 @@ class ModelRunner:
             "sampled_rows": last_rows[draws]}
         if n < len(batch.seqs):
             arrays |= {"prefill_tables": tables[n:], "prefill_seq_lens": seq_lens[n:], "cu_seqlens": cu_seqlens[n:] - n}
-        groups = self._prefix_groups(tables[:n], seq_lens[:n])
-        if groups is None:  # plain decode starts its rows longest first
-            arrays["decode_order"] = longest_first(seq_lens[:n])
-        else:  # over short own contexts (the cascade's suffix pass) the order only cost time: benchmarks/NOTES.md
-            arrays |= {"cu_group_rows": groups.cu_group_rows, "group_prefix_lens": groups.group_prefix_lens}
-            if groups.plan is not None:
-                arrays["plan"] = groups.plan
+        arrays |= self._decode_layout(tables[:n], seq_lens[:n])
         if previous is not None:
-            src = np.fromiter(map(previous.rows.get, map(_SEQ_ID, batch.seqs), repeat(-1)), np.int64, len(batch.seqs))
-            waiting = np.flatnonzero((src >= 0) & draws)
-            if len(waiting):
-                arrays["placeholders"] = np.stack([last_rows[waiting], src[waiting]])
+            arrays |= placeholder_rows(previous, batch.seqs, last_rows, draws)
         return arrays
+
+    def _decode_layout(self, tables: np.ndarray, seq_lens: np.ndarray) -> dict[str, np.ndarray]:
+        """The decode rows' order (plain decode starts its rows longest first: decode_order) or their shared-
+        prefix groups (cu_group_rows, group_prefix_lens, plan)."""
+        groups = self._prefix_groups(tables, seq_lens)
+        if groups is None:
+            return {"decode_order": longest_first(seq_lens)}
+        # over short own contexts (the cascade's suffix pass) the order only cost time: benchmarks/NOTES.md
+        arrays = {"cu_group_rows": groups.cu_group_rows, "group_prefix_lens": groups.group_prefix_lens}
+        return arrays if groups.plan is None else arrays | {"plan": groups.plan}
 
     def _prefix_groups(self, tables: np.ndarray, seq_lens: np.ndarray) -> PrefixGroups | None:
         """The decode rows' shared-prefix groups that the policy takes (None: none); sets cascade_rows."""
@@ -140,9 +141,11 @@ class ModelRunner:
         reports); previous_tokens: waits for a step's tokens on the host (the engine's, under its watchdog),
         which the masks of constrained sequences need. A step with masks returns with its draw still to
         enqueue (InFlight.drawn): they are filled on a worker thread while the host resolves the step before
-        and prepares the next."""
+        and prepares the next. A decode run (batch.num_steps > 1) enqueues all its steps (_launch_run)."""
         tables, seq_lens = self.block_manager.block_tables_and_seq_lens(list(map(_SEQ_ID, batch.seqs)))
         starts = seq_lens - np.array(batch.num_new_tokens, dtype=np.int64)  # int64 [S]
+        if batch.num_steps > 1:
+            return self._launch_run(batch, previous, step, starts, tables)
         arrays = self.step_arrays(batch, starts, tables, seq_lens, previous)
         drawing = list(compress(batch.seqs, batch.draws))
         arrays |= self._fork_arrays(drawing, batch.forks)
@@ -182,6 +185,51 @@ class ModelRunner:
             return self._sample(inputs, logits, hidden, segments)
         step_in_flight = InFlight(drawing, output_index, sample)
         return step_in_flight.drawn() if masks is None else step_in_flight
+
+    def _launch_run(self, batch: ScheduledBatch, previous: "InFlight | None", step: int, starts: np.ndarray,
+                    tables: np.ndarray) -> "InFlight":
+        """Enqueue a decode run's batch.num_steps steps: step j feeds each row the token step j - 1 drew, at
+        position starts + j, with its slot from batch.slot_mapping; a row past its num_new_tokens repeats its
+        last position with slot -1 (nothing written, its draws dropped by the engine), so it never reads past
+        its own tokens. Every row draws from its own logits with no processor (Sequence.draws_ahead), so the
+        draws are those of as many single steps: the noise follows each row's output index. The inputs of all
+        the steps go up in one copy; between the steps the host only enqueues (the decode graphs' replays on
+        CUDA). The InFlight's tokens are int64 [num_steps, B]."""
+        seqs, num_steps = batch.seqs, batch.num_steps
+        counts = np.array(batch.num_new_tokens, dtype=np.int64)
+        positions = starts + np.minimum(np.arange(num_steps)[:, None], counts - 1)  # int64 [K, B]
+        slots = np.full((len(seqs), num_steps), -1, dtype=np.int32)
+        slots[np.arange(num_steps) < counts[:, None]] = batch.slot_mapping
+        arrays = {"input_ids": np.array([s.last_token for s in seqs], dtype=np.int64), "positions": positions,
+                  "seq_lens": (positions + 1).astype(np.int32), "slot_mapping": np.ascontiguousarray(slots.T),
+                  "block_tables": tables} | self._decode_layout(tables, (starts + 1).astype(np.int32))
+        if previous is not None:
+            arrays |= placeholder_rows(previous, seqs, np.arange(len(seqs)), np.ones(len(seqs), dtype=bool))
+            previous.drawn()
+        output_index = [len(s.output_token_ids) for s in seqs]
+        sampling_arrays, to_sampling = SamplingTensors.staged(
+            list(map(_SAMPLING, seqs)), output_index, self.model.arch.vocab_size, self.eos_token_ids)
+        uploaded = upload_all([*arrays.values(), *sampling_arrays], self.device)
+        inputs = dict(zip(arrays, uploaded))
+        params = to_sampling(uploaded[len(arrays):])
+        input_ids = inputs["input_ids"]
+        if "placeholders" in inputs:
+            dst, src = inputs["placeholders"]
+            input_ids[dst] = previous.device_tokens[src]
+        cascade = None
+        if "cu_group_rows" in inputs:
+            cascade = CascadeMetadata(inputs["cu_group_rows"], inputs["group_prefix_lens"], inputs.get("plan"))
+        tokens = torch.empty((num_steps, len(seqs)), dtype=torch.int64, device=self.device)
+        for j in range(num_steps):
+            meta = AttentionMetadata(inputs["slot_mapping"][j], inputs["block_tables"], inputs["seq_lens"][j],
+                                     cascade=cascade, decode_order=inputs.get("decode_order"))
+            hidden, logits = self.forward(input_ids, inputs["positions"][j], meta)
+            logits = self.model.compute_logits(hidden) if logits is None else logits
+            at_step = params if j == 0 else replace(params, step=params.step + j)
+            tokens[j] = draw(logits, at_step, self.sampler_fallbacks, self._gumbel)
+            input_ids = tokens[j]
+        record = StepInputs(step, batch, starts, seqs, logits, at_step, recorded_event(self.device))
+        return InFlight(seqs, output_index, lambda: (tokens, record, None), steps=batch.num_new_tokens).drawn()
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, hidden: torch.Tensor | None,
                 segments: list[PromptSegment]) -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
@@ -306,6 +354,16 @@ class ModelRunner:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def placeholder_rows(previous: "InFlight", seqs: list[Sequence], input_rows: np.ndarray,
+                     draws: np.ndarray) -> dict[str, np.ndarray]:
+    """placeholders int64 [2, P] (input rows, rows of the previous step's device tokens) for the sequences among
+    seqs that draw (bool [S]) and whose last token the previous step drew (input_rows int64 [S]: each one's
+    last input row); none when there are none."""
+    src = np.fromiter(map(previous.rows.get, map(_SEQ_ID, seqs), repeat(-1)), np.int64, len(seqs))
+    waiting = np.flatnonzero((src >= 0) & draws)
+    return {"placeholders": np.stack([input_rows[waiting], src[waiting]])} if len(waiting) else {}
+
+
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:
     """The decode rows by seq_len, longest first, ties in batch order: int32 [Bd]. The decode kernel
     starts its programs in this order, so over mixed lengths its last wave holds the shortest rows
@@ -318,11 +376,12 @@ class InFlight:
     """A launched step: the sequences that draw a token in it, and where those tokens are once drawn()."""
 
     seqs: list[Sequence]  # seqs[i] draws device_tokens[i]
-    output_index: list[int]  # where each sequence's token goes in its output_token_ids
+    output_index: list[int]  # where each sequence's (first) token goes in its output_token_ids
     draw: "Callable[[], tuple[torch.Tensor, StepInputs, StepLogprobs | None]] | None"  # None once enqueued
+    steps: list[int] | None = None  # a decode run's: the tokens each sequence draws, one a step; None: one
     rows: dict[int, int] = field(init=False)  # seq_id -> row of device_tokens
-    device_tokens: torch.Tensor | None = None  # int64 [len(seqs)], once drawn
-    host_tokens: torch.Tensor | None = None  # valid once done()
+    device_tokens: torch.Tensor | None = None  # int64 [len(seqs)] (a run's last step's), once drawn
+    host_tokens: torch.Tensor | None = None  # int64 [len(seqs)] (a run's [num_steps, len(seqs)]), valid once done()
     inputs: StepInputs | None = None
     logprobs: StepLogprobs | None = None  # its host copy is enqueued before `copied` is recorded
     copied: "torch.cuda.Event | None" = None
@@ -336,8 +395,9 @@ class InFlight:
         its tokens are read, whichever comes first."""
         if self.draw is not None:
             draw, self.draw = self.draw, None
-            self.device_tokens, self.inputs, self.logprobs = draw()
-            self.host_tokens, self.copied = to_host(self.device_tokens), recorded_event(self.device_tokens.device)
+            tokens, self.inputs, self.logprobs = draw()
+            self.device_tokens = tokens if self.steps is None else tokens[-1]  # a run's: its last step's
+            self.host_tokens, self.copied = to_host(tokens), recorded_event(tokens.device)
         return self
 
     def done(self) -> bool:

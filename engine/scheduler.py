@@ -13,6 +13,10 @@ While sequences decode, new ones are admitted a batch at a time: only once admis
 prefill chunks cannot replay a decode CUDA graph, and its eager forward costs the host ~20 ms whatever
 its size (H200, Qwen3-0.6B: benchmarks/NOTES.md), so one such step for many admissions beats one for each.
 
+A decode-only batch can become a run of several device steps (extend_decodes: the engine asks, when every row
+draws on the device alone and nothing waits): each row's slots for up to num_steps tokens are allocated at
+once, all or nothing, and the rows decode one token a step without the host in between.
+
 A sequence's tokens count as computed once their slots are allocated (Sequence.num_computed_tokens
 reads the block manager's sequence_length), so a batch's rows are past their chunks when it is built.
 
@@ -62,6 +66,8 @@ class ScheduledBatch:
     prefix_cache_hit_tokens: int = 0  # tokens the admissions of this step found in the prefix cache
     admitted_tokens: int = 0  # tokens (prompt + earlier outputs) of the sequences admitted in this step
     forks: list[Fork] = field(default_factory=list)  # samples that join in this step, past their prefill
+    num_steps: int = 1  # device steps: > 1 for a decode run (Scheduler.extend_decodes), row i decoding one
+    # token a step for its first num_new_tokens[i] steps
     draws: list[bool] = field(init=False)
 
     def __post_init__(self):
@@ -76,7 +82,7 @@ class ScheduledBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_seqs
+        return sum(self.num_new_tokens[self.num_decode_seqs:])
 
     @property
     def phase(self) -> str:
@@ -134,6 +140,27 @@ class Scheduler:
             hits, admitted = self._admit(budget, seqs, counts, slots)
         return ScheduledBatch(seqs, counts, _concat(slots), num_decodes, self.num_preemptions - preemptions_before,
                               hits, admitted)
+
+    def extend_decodes(self, batch: ScheduledBatch, num_steps: int) -> None:
+        """Make a decode-only batch a run of up to num_steps device steps: row i decodes min(num_steps, the
+        tokens it may still draw) tokens, one a step, their slots allocated now; slot_mapping holds them row
+        after row. A run takes no block that a single step would leave to admissions or other rows: when the
+        pool is short, the batch stays one step (nothing is preempted for a run)."""
+        seqs = batch.seqs
+        left = np.fromiter((s.max_num_tokens - s.num_tokens for s in seqs), np.int64, len(seqs))
+        counts = np.minimum(left, num_steps)  # >= 1: a decoding row is not capped
+        if len(seqs) == 0 or counts.max() < 2:
+            return
+        try:
+            more = self.block_manager.slot_mapping_for_append([s.seq_id for s in seqs], counts - 1)
+        except OutOfBlocksError:
+            return
+        steps = int(counts.max())
+        slots = np.full((len(seqs), steps), -1, np.int32)  # row i: its slots, step after step
+        slots[:, 0] = batch.slot_mapping
+        slots[:, 1:][np.arange(1, steps) < counts[:, None]] = more
+        batch.slot_mapping = slots[np.arange(steps) < counts[:, None]]
+        batch.num_new_tokens, batch.num_steps = counts.tolist(), steps
 
     def _fork_held_samples(self, batch: ScheduledBatch) -> list[Fork]:
         """Fork the held samples of each sequence that draws its first token in this batch (all of a

@@ -8,8 +8,8 @@ step's tokens count as computed once the scheduler has allocated their slots, be
 them: steps run in stream order, so every later step reads them.
 
 The engine runs one step ahead of the host: a sampled token is known on the device before the host
-reads it, so the newest output may be PLACEHOLDER until the step that drew it is resolved. At most the
-last output is a placeholder.
+reads it, so the newest outputs may be PLACEHOLDER until the step that drew them is resolved: the outputs
+of the launched steps not yet resolved, always a trailing run (one a step; a decode run's several).
 """
 import functools
 import hashlib
@@ -234,8 +234,20 @@ class Sequence:
 
     @property
     def num_known_tokens(self) -> int:
-        """Tokens whose ids the host knows (all but a trailing placeholder)."""
-        return self.num_tokens - self.has_placeholder
+        """Tokens whose ids the host knows (all but the trailing placeholders)."""
+        outputs = self.output_token_ids
+        known = len(outputs)
+        while known and outputs[known - 1] == PLACEHOLDER:
+            known -= 1
+        return len(self.prompt_token_ids) + known
+
+    @property
+    def draws_ahead(self) -> bool:
+        """Whether its next draws need nothing from the host between them (a decode run may take it): no
+        grammar, penalty or logprobs, and no min_tokens ban left."""
+        p = self.sampling
+        return (self.constraint is None and p.logprobs is None and not p.penalised
+                and len(self.output_token_ids) >= p.min_tokens)
 
     @property
     def last_token(self) -> int:

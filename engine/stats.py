@@ -1,6 +1,7 @@
 """Per-step and per-run statistics: the rows of steps.parquet and summary.parquet.
 
-Per step (measured after scheduling, when the step's slots are allocated and its new tokens counted):
+Per step (measured after scheduling, when the step's slots are allocated and its new tokens counted; a decode
+run of several device steps (scheduler.num_scheduler_steps) gives a row to each: run_stats):
     phase                         = decode (every row decodes), prefill (no row decodes) or mixed
     num_decode_seqs               = sequences that decode one token; num_prefill_tokens = the step's other tokens
     prefix_cache_hit_tokens       = tokens that this step's admissions found in the prefix cache (not computed)
@@ -37,7 +38,7 @@ Per run (StatsRecorder.summary), from the steps:
 import bisect
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pyarrow as pa
@@ -102,6 +103,19 @@ def snapshot(step, batch, scheduler, manager: KVBlockManager, max_model_len: int
         block_table_bytes=4 * (logical + waste) // manager.block_size,  # ceil(L / B) int32 entries per table
         preemptions=batch.num_preempted,
     )
+
+
+def run_stats(stats: StepStats, counts: list[int]) -> list[StepStats]:
+    """A decode run's snapshot (taken once its slots were allocated) as one row per device step, numbered from
+    stats.step: step j's rows are those still drawing (counts: the tokens each row draws, one a step), its
+    time an even share of the run's; the run's preemptions (made by its scheduling) count in its first step,
+    its finished sequences in its last."""
+    num_steps = max(counts)
+    drawing = np.bincount(np.asarray(counts) - 1, minlength=num_steps)[::-1].cumsum()[::-1].tolist()
+    share, last = stats.step_time_s / num_steps, num_steps - 1
+    return [replace(stats, step=stats.step + j, seqs=rows, tokens=rows, num_decode_seqs=rows, step_time_s=share,
+                    preemptions=stats.preemptions if j == 0 else 0, finished=stats.finished if j == last else 0)
+            for j, rows in enumerate(drawing)]
 
 
 def _mean(values) -> float:

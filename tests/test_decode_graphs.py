@@ -41,7 +41,7 @@ def recorded_draws(monkeypatch):
 def test_the_draw_graph_draws_what_the_sampler_draws_from_the_same_logits(monkeypatch):
     """Rows at temperature 0.8 and one at 0 (the sampler's argmax row): every decode step draws through a
     graph, in buckets of 8, 4, 2 and 1 rows (padded rows included), each as ops.gumbel_sample would."""
-    llm = LLM(model="tiny", device="cuda", dtype="float32", max_model_len=128, max_num_seqs=8)
+    llm = LLM(model="tiny", device="cuda", dtype="float32", max_model_len=128, max_num_seqs=8, num_scheduler_steps=1)
     seen = recorded_draws(monkeypatch)
     outputs = llm.generate(PROMPTS, sampling())
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4 + 4 * i for i in range(len(PROMPTS))]
