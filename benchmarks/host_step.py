@@ -5,11 +5,12 @@ per step bounds the step. This builds the tiny model's engine on the CPU, replac
 compute_logits by zeros (what remains is scheduling, block tables, metadata, sampling tensors, the
 sampler on a 64-token vocabulary, resolving and statistics), prefills SEQS prompts of 300 tokens (after a
 shared prefix of PREFIX tokens), and times engine.step() over decode steps: the best of ROUNDS rounds of
-STEPS steps, then cProfile's top functions over one more round with --profile. --admit K: then, ROUNDS
+STEPS steps, per device step (--scheduler-steps K: decode runs of K device steps a scheduling), then cProfile's
+top functions over one more round with --profile. --admit K: then, ROUNDS
 times, K more prompts of the same kind arrive and the step that admits them beside the decodes is timed
 (its schedule, and the whole step; shared_prefix's mixed steps admit 64 prompts sharing 2,048 tokens).
 Usage: OMP_NUM_THREADS=1 python benchmarks/host_step.py [--seqs 256] [--logprobs K] [--steps 100]
-       [--rounds 5] [--prefix 0] [--admit 0] [--profile]
+       [--rounds 5] [--prefix 0] [--admit 0] [--scheduler-steps 1] [--profile]
 """
 import argparse
 import cProfile
@@ -30,13 +31,14 @@ from jobs.config import engine_config_of, register_configs  # noqa: E402
 PROMPT_LEN, STUB_VOCAB = 300, 64
 
 
-def stubbed_engine(num_seqs: int) -> LLMEngine:
+def stubbed_engine(num_seqs: int, scheduler_steps: int = 1) -> LLMEngine:
     """The tiny model's engine on the CPU for num_seqs rows, its forward and logits zeros."""
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
         cfg = compose("config", overrides=[f"scheduler.max_num_seqs={num_seqs}", "scheduler.max_num_batched_tokens=65536",
                                            "job=bench", "model.device=cpu", "cache.num_blocks=40000",
-                                           "model.max_model_len=4096"])
+                                           "model.max_model_len=4096",
+                                           f"scheduler.num_scheduler_steps={scheduler_steps}"])
     engine = LLMEngine(engine_config_of(cfg))  # the plain dataclasses a job hands the engine, not omegaconf's
     torch.set_num_threads(1)
     hidden = engine.model.arch.hidden_size
@@ -46,11 +48,11 @@ def stubbed_engine(num_seqs: int) -> LLMEngine:
 
 
 def timed(engine: LLMEngine, steps: int) -> float:
-    """Seconds per step over `steps` steps."""
-    start = time.perf_counter()
+    """Seconds per device step over `steps` calls of engine.step() (a decode run's several device steps)."""
+    before, start = len(engine.stats.steps), time.perf_counter()
     for _ in range(steps):
         engine.step()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / max(len(engine.stats.steps) - before, 1)
 
 
 def main() -> None:
@@ -61,10 +63,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prefix", type=int, default=0)
     parser.add_argument("--admit", type=int, default=0)
+    parser.add_argument("--scheduler-steps", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    engine = stubbed_engine(args.seqs + args.rounds * args.admit)
-    max_tokens = (args.rounds + 2) * args.steps + 20  # no sequence finishes while timed
+    engine = stubbed_engine(args.seqs + args.rounds * args.admit, args.scheduler_steps)
+    max_tokens = ((args.rounds + 2) * args.steps + 20) * args.scheduler_steps  # no sequence finishes while timed
     prefix = [j % 97 + 1 for j in range(args.prefix)]
     request_ids = map(str, itertools.count())
 
@@ -77,8 +80,8 @@ def main() -> None:
     for _ in range(10):  # the prefill, then decode steps
         engine.step()
     best = min(timed(engine, args.steps) for _ in range(args.rounds))
-    print(f"{args.seqs} seqs, prefix {args.prefix}, logprobs {args.logprobs}: {best * 1e3:.3f} ms/step "
-          f"(best of {args.rounds} x {args.steps} steps)")
+    print(f"{args.seqs} seqs, prefix {args.prefix}, logprobs {args.logprobs}, scheduler steps {args.scheduler_steps}: "
+          f"{best * 1e3:.3f} ms a device step (best of {args.rounds} x {args.steps} steps)")
     if args.profile:
         profiler = cProfile.Profile()
         profiler.runcall(timed, engine, args.steps)

@@ -46,14 +46,14 @@ SCHEDULER_STEPS = {"cuda": 8, "cpu": 1}
 _DRAWS_AHEAD = attrgetter("draws_ahead")
 
 
-def drawn_tokens(step: InFlight, tokens: list) -> Iterator[tuple[int, Sequence, int, int]]:
-    """(row, sequence, output index, token) of each token a step drew: a row's, or a decode run's rows with
-    their tokens in order (tokens: [num_steps][rows], row i's first step.steps[i] valid)."""
+def drawn_tokens(step: InFlight, tokens: list, rows: list[int] | None = None
+                 ) -> Iterator[tuple[int, Sequence, int, int]]:
+    """(row, sequence, output index, token) of each token a step drew (tokens: one a row), or of a decode run's
+    `rows` with their tokens in order (tokens: a run's per row, row i's first step.steps[i] valid)."""
     if step.steps is None:
         return zip(itertools.count(), step.seqs, step.output_index, tokens)
-    rows = zip(step.seqs, step.output_index, zip(*tokens), step.steps)
-    return ((row, seq, index + j, column[j]) for row, (seq, index, column, count) in enumerate(rows)
-            for j in range(count))
+    return ((row, step.seqs[row], step.output_index[row] + j, tokens[row][j]) for row in rows
+            for j in range(step.steps[row]))
 
 
 def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
@@ -347,7 +347,11 @@ class LLMEngine:
         if logprobs is not None:
             logprobs.add_prompts()
         eos, caching, block_size = self.eos_token_ids, self.prefix_caching, self.block_size
-        for row, seq, index, token in drawn_tokens(step, tokens):
+        rows = None
+        if step.steps is not None:  # a decode run's tokens, a row at a time
+            tokens = list(zip(*tokens))
+            rows = self._fill_quiet_rows(step, tokens)
+        for row, seq, index, token in drawn_tokens(step, tokens, rows):
             if seq.status is Status.FINISHED:
                 continue  # stopped by a token before: this one was drawn past the end
             seq.output_token_ids[index] = token
@@ -368,6 +372,25 @@ class LLMEngine:
             if caching and num_tokens % block_size == 0:
                 self.block_manager.register_known_blocks(seq)
         return finished
+
+    def _fill_quiet_rows(self, step: InFlight, tokens: list) -> list[int]:
+        """Fill in the tokens of a decode run's rows that none of them can end (no EOS or stop id among them, no
+        stop strings or grammar, the length limit not reached: _resolve's test for each), a slice a row,
+        offering the blocks they complete to the prefix cache; returns the other rows, which _resolve takes
+        token by token. tokens: the run's per row."""
+        eos, block_size, others = self.eos_token_ids, self.block_size, []
+        for row, (seq, index, count) in enumerate(zip(step.seqs, step.output_index, step.steps)):
+            if seq.status is Status.FINISHED:
+                continue  # stopped by a token of the step before: all of these were drawn past the end
+            start, drawn = len(seq.prompt_token_ids) + index, tokens[row][:count]  # start: tokens before the run's
+            if (start + count >= seq.max_num_tokens or not eos.isdisjoint(drawn) or seq.sampling.stop_token_ids
+                    or seq.detokenizer is not None or seq.constraint is not None):
+                others.append(row)
+                continue
+            seq.output_token_ids[index:index + count] = drawn
+            if self.prefix_caching and start // block_size != (start + count) // block_size:
+                self.block_manager.register_known_blocks(seq)
+        return others
 
     def _tokens(self, step: InFlight) -> list:
         """The step's sampled tokens (a decode run's, a list a step), once the device has them; StepTimeout

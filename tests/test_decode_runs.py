@@ -66,6 +66,25 @@ def test_greedy_runs_match_transformers(make_config, qwen3_checkpoint, greedy_re
         len(p) for p in prompts)
 
 
+def test_runs_offer_the_blocks_their_outputs_complete_as_single_steps_do(make_config, qwen3_checkpoint,
+                                                                        greedy_reference):
+    """The prefix cache after the same greedy requests with runs of 4 and with one step a scheduling: each
+    sequence's block hashes (its outputs' full blocks included) and the cache's index hold the same hashes."""
+    path, _ = qwen3_checkpoint
+    prompts, _ = greedy_reference
+    caches = []
+    for steps in (1, 4):
+        engine = LLMEngine(make_config(f"model.path={path}", "model.max_model_len=96", "model.device=cpu",
+                                       "model.dtype=float32", "cache.block_size=4",
+                                       f"scheduler.num_scheduler_steps={steps}"))
+        seqs = [engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+                for i, p in enumerate(prompts)]
+        list(engine.run())
+        caches.append(([s.block_hashes for s in seqs], set(engine.block_manager.cached_block_of)))
+    assert caches[0] == caches[1]
+    assert all(len(h) > (len(p) + 8) // 4 for h, p in zip(caches[0][0], prompts))  # outputs' blocks among them
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU: the decode graphs and their draw graphs"))])
 def test_runs_draw_what_single_steps_draw(monkeypatch, device):
