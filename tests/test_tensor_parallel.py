@@ -72,6 +72,14 @@ def test_two_ranks_match_transformers_when_the_pool_preempts(qwen3_checkpoint, p
         assert llm.stats().figures["preemptions"] > 0, "the pool was meant to preempt"
 
 
+def test_two_ranks_in_decode_runs_match_transformers(qwen3_checkpoint, prompts_and_reference):
+    """Runs of 4 device steps a scheduling (scheduler.num_scheduler_steps, on by default on CUDA): each step's
+    tokens go to the workers' next forward without the host."""
+    prompts, expected = prompts_and_reference
+    with split_llm(qwen3_checkpoint[0], num_scheduler_steps=4) as llm:
+        assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
+
+
 def test_two_ranks_of_a_mixture_of_experts_match_transformers(tmp_path):
     """Each rank holds half of every expert's width (48 -> 24), the router whole."""
     path, hf_model = moe_checkpoint(tmp_path / "moe")
