@@ -161,9 +161,7 @@ class ModelRunner:
                 self.history.rows(drawing, previous))
         uploaded = upload_all([*arrays.values(), *sampling_arrays], self.device)
         inputs = dict(zip(arrays, uploaded))
-        if "placeholders" in inputs:
-            dst, src = inputs["placeholders"]
-            inputs["input_ids"][dst] = previous.device_tokens[src]
+        fill_placeholders(inputs, previous)
         hidden, logits = self.forward(inputs["input_ids"], inputs["positions"], self.attention_metadata(inputs))
         if "block_copies" in inputs:  # after the forward that wrote them, before any later step reads them
             self.kv_cache.copy_blocks(*inputs["block_copies"])
@@ -212,17 +210,12 @@ class ModelRunner:
         uploaded = upload_all([*arrays.values(), *sampling_arrays], self.device)
         inputs = dict(zip(arrays, uploaded))
         params = to_sampling(uploaded[len(arrays):])
+        fill_placeholders(inputs, previous)
         input_ids = inputs["input_ids"]
-        if "placeholders" in inputs:
-            dst, src = inputs["placeholders"]
-            input_ids[dst] = previous.device_tokens[src]
-        cascade = None
-        if "cu_group_rows" in inputs:
-            cascade = CascadeMetadata(inputs["cu_group_rows"], inputs["group_prefix_lens"], inputs.get("plan"))
         tokens = torch.empty((num_steps, len(seqs)), dtype=torch.int64, device=self.device)
         for j in range(num_steps):
-            meta = AttentionMetadata(inputs["slot_mapping"][j], inputs["block_tables"], inputs["seq_lens"][j],
-                                     cascade=cascade, decode_order=inputs.get("decode_order"))
+            meta = self.attention_metadata(inputs | {"slot_mapping": inputs["slot_mapping"][j],
+                                                     "seq_lens": inputs["seq_lens"][j]})
             hidden, logits = self.forward(input_ids, inputs["positions"][j], meta)
             logits = self.model.compute_logits(hidden) if logits is None else logits
             at_step = params if j == 0 else replace(params, step=params.step + j)
@@ -362,6 +355,13 @@ def placeholder_rows(previous: "InFlight", seqs: list[Sequence], input_rows: np.
     src = np.fromiter(map(previous.rows.get, map(_SEQ_ID, seqs), repeat(-1)), np.int64, len(seqs))
     waiting = np.flatnonzero((src >= 0) & draws)
     return {"placeholders": np.stack([input_rows[waiting], src[waiting]])} if len(waiting) else {}
+
+
+def fill_placeholders(inputs: dict[str, torch.Tensor], previous: "InFlight | None") -> None:
+    """Write into the uploaded input_ids the previous step's device tokens at its placeholders rows (if any)."""
+    if "placeholders" in inputs:
+        dst, src = inputs["placeholders"]
+        inputs["input_ids"][dst] = previous.device_tokens[src]
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:

@@ -155,12 +155,9 @@ class Scheduler:
             more = self.block_manager.slot_mapping_for_append([s.seq_id for s in seqs], counts - 1)
         except OutOfBlocksError:
             return
-        steps = int(counts.max())
-        slots = np.full((len(seqs), steps), -1, np.int32)  # row i: its slots, step after step
-        slots[:, 0] = batch.slot_mapping
-        slots[:, 1:][np.arange(1, steps) < counts[:, None]] = more
-        batch.slot_mapping = slots[np.arange(steps) < counts[:, None]]
-        batch.num_new_tokens, batch.num_steps = counts.tolist(), steps
+        more_starts = np.cumsum(counts - 1) - (counts - 1)  # where each row's further slots begin in `more`
+        batch.slot_mapping = np.insert(more, more_starts, batch.slot_mapping)  # each row's first slot, then its more
+        batch.num_new_tokens, batch.num_steps = counts.tolist(), int(counts.max())
 
     def _fork_held_samples(self, batch: ScheduledBatch) -> list[Fork]:
         """Fork the held samples of each sequence that draws its first token in this batch (all of a
