@@ -8,12 +8,13 @@ from collections.abc import Iterator
 from operator import attrgetter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.block_manager import KVBlockManager, blocks_needed
 from engine.config import cpu_threads
 from engine.constraint import Constraint
-from engine.cuda_graphs import PIECE_MAX_TOKENS
+from engine.cuda_graphs import PIECE_MAX_TOKENS, bucket_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, RequestError
 from engine.generation_config import read_generation_config, stop_ids
@@ -44,6 +45,14 @@ GRAMMAR_TIMEOUT_S = 60.0  # a constraint's grammar must compile within this
 # benchmarks/NOTES.md, session 38); on the CPU one, where the device is the host
 SCHEDULER_STEPS = {"cuda": 8, "cpu": 1}
 _DRAWS_AHEAD = attrgetter("draws_ahead")
+
+
+def warm_up_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes of the warm-up, largest first: each decode graph bucket and the size below it,
+    so that every graph is replayed once and every kernel sees a batch of each kind Triton specialises an
+    integer on (1, a multiple of 16, any other) and of each power of two it is rounded up to."""
+    sizes = {size for bucket in bucket_sizes(max_num_seqs) for size in (bucket, bucket - 1)}
+    return sorted(sizes - {0}, reverse=True)
 
 
 def drawn_tokens(step: InFlight, tokens: list, rows: list[int] | None = None
@@ -198,8 +207,8 @@ class LLMEngine:
 
     def _warm_up(self) -> None:
         """A small run of the real loop before the timed one: a prefill step at the full token budget,
-        then decode steps at every batch size from max_num_seqs down to 1 (request i stops after i + 1
-        tokens). Whatever is paid the first time a shape occurs (kernel compilation, cuBLAS's choice of
+        then one decode step at each of warm_up_batch_sizes (every decode graph's bucket and the size below
+        it). Whatever is paid the first time a shape occurs (kernel compilation, cuBLAS's choice of
         kernel for a new matmul shape, a CUDA graph's first replay, pinned buffers of a new size) is
         paid here: inside a run it stalled the host long enough for the GPU to idle (NOTES, version 7). The
         steps between (prefill chunks of other token counts) can pick launches of their own: the model
@@ -210,8 +219,10 @@ class LLMEngine:
         room = min(self.max_model_len, self.num_blocks * self.block_size // num_seqs)  # tokens per request
         prompt = max(1, min(self.scheduler.max_num_batched_tokens // num_seqs, room // 2))
         vocab = self.model.arch.vocab_size
+        sizes = np.array(warm_up_batch_sizes(num_seqs))
         for i in range(num_seqs):  # distinct prompts: prefix-cache hits would shrink the prefill step
-            tokens = max(1, min(i + 1, room - prompt))
+            # request i decodes in the steps whose batch is larger than i: the t-th step then has sizes[t] rows
+            tokens = max(1, min(1 + int((sizes > i).sum()), room - prompt))
             self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their path at every batch size
                              SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=MAX_LOGPROBS))
         list(self.run())

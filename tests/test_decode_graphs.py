@@ -67,3 +67,29 @@ def test_graphs_draw_what_an_eager_engine_draws():
         runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, sampling())])
         llm.close()
     assert runs[0] == runs[1]
+
+
+def _triton_variants() -> int:
+    """Kernel variants Triton holds for the kernels of every ops module loaded, on every device."""
+    import sys
+
+    import triton
+    kernels = [k for name, module in list(sys.modules.items()) if name == "ops" or name.startswith("ops.")
+               for k in vars(module).values() if isinstance(k, triton.JITFunction)]
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 8])
+def test_no_kernel_compiles_in_a_run_after_the_warm_up(num_scheduler_steps):
+    """The warm-up decodes only at each graph bucket and the size below it; a run whose batch then shrinks through
+    every size from 40 rows to 1 (request i stops after i + 1 tokens), one step or a run of 8 a scheduling,
+    compiles no kernel variant."""
+    llm = LLM(model="tiny", device="cuda", max_model_len=128, max_num_seqs=40, num_scheduler_steps=num_scheduler_steps)
+    before = _triton_variants()
+    assert before > 0
+    prompts = [[(3 * i + j) % 200 + 1 for j in range(4)] for i in range(40)]
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0.7, max_tokens=i + 1, seed=i, ignore_eos=True)
+                                     for i in range(40)])
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [i + 1 for i in range(40)]
+    assert _triton_variants() == before
+    llm.close()
