@@ -210,7 +210,9 @@ class LLMEngine:
         then one decode step at each of warm_up_batch_sizes (every decode graph's bucket and the size below
         it). Whatever is paid the first time a shape occurs (kernel compilation, cuBLAS's choice of
         kernel for a new matmul shape, a CUDA graph's first replay, pinned buffers of a new size) is
-        paid here: inside a run it stalled the host long enough for the GPU to idle (NOTES, version 7). The
+        paid here: inside a run it stalled the host long enough for the GPU to idle (NOTES, version 7). A
+        decode step of another size replays the same graphs and kernel variants (an eager one, under
+        enforce_eager, may still meet cuBLAS's choice for its row count: ~84 us a matmul, NOTES session 7). The
         steps between (prefill chunks of other token counts) can pick launches of their own: the model
         compiles those first (compile_launches)."""
         if not self.parallel:  # a rank's share of the experts has a width of its own, which no table holds
@@ -223,7 +225,7 @@ class LLMEngine:
         for i in range(num_seqs):  # distinct prompts: prefix-cache hits would shrink the prefill step
             # request i decodes in the steps whose batch is larger than i: the t-th step then has sizes[t] rows
             tokens = max(1, min(1 + int((sizes > i).sum()), room - prompt))
-            self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their path at every batch size
+            self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their path at each size
                              SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=MAX_LOGPROBS))
         list(self.run())
         self.block_manager.reset_prefix_cache()
