@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from operator import attrgetter
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from engine.block_manager import KVBlockManager, blocks_needed
@@ -221,10 +220,10 @@ class LLMEngine:
         room = min(self.max_model_len, self.num_blocks * self.block_size // num_seqs)  # tokens per request
         prompt = max(1, min(self.scheduler.max_num_batched_tokens // num_seqs, room // 2))
         vocab = self.model.arch.vocab_size
-        sizes = np.array(warm_up_batch_sizes(num_seqs))
+        sizes = warm_up_batch_sizes(num_seqs)
         for i in range(num_seqs):  # distinct prompts: prefix-cache hits would shrink the prefill step
             # request i decodes in the steps whose batch is larger than i: the t-th step then has sizes[t] rows
-            tokens = max(1, min(1 + int((sizes > i).sum()), room - prompt))
+            tokens = max(1, min(1 + sum(size > i for size in sizes), room - prompt))
             self.add_request(f"warm-up-{i}", [i % vocab] * prompt,  # logprobs: their path at each size
                              SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, logprobs=MAX_LOGPROBS))
         list(self.run())
