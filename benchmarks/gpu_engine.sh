@@ -15,7 +15,7 @@
 # cache too, after benchmarks/fp8_gemm.py's per-projection times (no Triton sweep). fp8_long: the Qwen3-8B shape's
 # `long` in bf16, then with FP8 weights and KV (~200 s). fp8_70b: the Llama-3.3-70B
 # shape's `nano` with FP8 weights and KV (~210 s with its start-up). rollout: issue 33's workload (512 prompts x 16 samples).
-# startup: a 64-prompt job's start-up breakdown, twice (the second with the Triton cache warm). moe: the
+# startup: a 64-prompt job's start-up breakdown, twice (the second with the Triton and bytecode caches warm). moe: the
 # experts op's launches, measured and saved to ops/moe_tuned/ (benchmarks/moe_op.py --save), then the Qwen3-30B-A3B shape's nano. kl: issue 31's KL divergence
 # of FP8 weights, FP8 KV and both from bf16 (benchmarks/fp8_kl.py; MODEL defaults to qwen3-8b there).
 set -uo pipefail
@@ -91,6 +91,9 @@ want fp8_70b && { MODEL=llama-3.3-70b bench nano_70b job.workload=nano model.qua
 want kl && python3 benchmarks/fp8_kl.py ${MODEL:-qwen3-8b} 64 512 2>&1 | grep -v Warn | tee "$out/fp8_kl.log"
 want rollout && { bench rollout job.workload=rollout; steps $runs/rollout/steps.parquet; }
 if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the first time on this machine, then again
+  # with the Python bytecode the first run wrote, as a machine with installed packages has (the lent H200 sets
+  # PYTHONDONTWRITEBYTECODE, so every process there compiles ~1,850 modules' sources: 3-5 s)
+  export PYTHONPYCACHEPREFIX=/tmp/minipaged_pycache; unset PYTHONDONTWRITEBYTECODE
   for run in first again; do
     t0=$(date +%s.%N)
     python3 -m engine.run job=bench model=${MODEL:-qwen3-0.6b} job.num_prompts=64 hydra.run.dir=$runs/startup_$run \

@@ -33,18 +33,23 @@ PROMPT_LEN, STUB_VOCAB = 300, 64
 
 def stubbed_engine(num_seqs: int, scheduler_steps: int = 1) -> LLMEngine:
     """The tiny model's engine on the CPU for num_seqs rows, its forward and logits zeros."""
+    return stub_engine([f"scheduler.max_num_seqs={num_seqs}", "scheduler.max_num_batched_tokens=65536",
+                        "cache.num_blocks=40000", "model.max_model_len=4096",
+                        f"scheduler.num_scheduler_steps={scheduler_steps}"])[0]
+
+
+def stub_engine(overrides: list[str]):
+    """(the tiny model's engine on the CPU with its forward and logits zeros, the composed config) for a bench job
+    with these overrides."""
     register_configs()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base=None):
-        cfg = compose("config", overrides=[f"scheduler.max_num_seqs={num_seqs}", "scheduler.max_num_batched_tokens=65536",
-                                           "job=bench", "model.device=cpu", "cache.num_blocks=40000",
-                                           "model.max_model_len=4096",
-                                           f"scheduler.num_scheduler_steps={scheduler_steps}"])
+        cfg = compose("config", overrides=["job=bench", "model.device=cpu", *overrides])
     engine = LLMEngine(engine_config_of(cfg))  # the plain dataclasses a job hands the engine, not omegaconf's
     torch.set_num_threads(1)
     hidden = engine.model.arch.hidden_size
     engine.runner.forward = lambda ids, pos, meta: (torch.zeros(ids.shape[0], hidden), None)
     engine.model.compute_logits = lambda h: torch.zeros(h.shape[0], STUB_VOCAB)
-    return engine
+    return engine, cfg
 
 
 def timed(engine: LLMEngine, steps: int) -> float:

@@ -213,11 +213,12 @@ class KVBlockManager:
         self.hash_known_blocks(seq, *samples)
         return self.match_prefix(seq.block_hashes[: (seq.num_tokens - 1) // self.block_size])
 
-    def can_admit(self, num_tokens: int, prefix_blocks) -> bool:
-        """Whether a new sequence of num_tokens tokens starting with prefix_blocks would fit."""
+    def can_admit(self, num_tokens: int, prefix_blocks, reserved: int = 0) -> bool:
+        """Whether a new sequence of num_tokens tokens starting with prefix_blocks would fit, with `reserved`
+        blocks left free besides."""
         taken_from_cache = list(map(self.ref_counts.__getitem__, prefix_blocks)).count(0)
         new_blocks = blocks_needed(num_tokens, self.block_size) - len(prefix_blocks)
-        return new_blocks <= self.num_free_blocks - taken_from_cache
+        return new_blocks + reserved <= self.num_free_blocks - taken_from_cache
 
     def new_blocks_for(self, sequence_id: int, num_tokens: int) -> int:
         """Blocks that appending num_tokens to this sequence would take from the pool."""

@@ -85,10 +85,11 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: Optional[int] = None  # sequences running at once; null: the device's default (CUDA 512, CPU 64)
+    max_num_seqs: Optional[int] = None  # sequences running at once; null: the device's default (CUDA 1024, CPU 64)
     max_num_batched_tokens: Optional[int] = None  # tokens computed per step (decodes + prompt chunks); null: CUDA 16384, CPU 2048
     step_timeout_s: Optional[float] = 60.0  # a step whose tokens take longer (or 20x the slowest step so far, if more) stops the run, its inputs saved; null: wait forever
     num_scheduler_steps: Optional[int] = None  # device steps a decode-only batch runs at most per scheduling; null: CUDA 8, CPU 1
+    admission_headroom: int = 64  # tokens of growth every running sequence keeps room for in the pool when new ones are admitted; 0: none
 
 
 def _config_type(name: str):
@@ -271,6 +272,7 @@ def check_engine_config(cfg) -> None:
            "must be >= 1", s.max_num_batched_tokens)
     check_value(s.num_scheduler_steps is None or s.num_scheduler_steps >= 1, "scheduler.num_scheduler_steps",
            "must be >= 1 or null", s.num_scheduler_steps)
+    check_value(s.admission_headroom >= 0, "scheduler.admission_headroom", "must be >= 0", s.admission_headroom)
     sampling_params(cfg.sampling)
 
 

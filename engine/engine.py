@@ -37,7 +37,7 @@ log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (max_num_seqs, max_num_batched_tokens) when the config leaves them unset: on CUDA what measured best on
 # an H200 (benchmarks/NOTES.md); on the CPU small batches, where a step's cost grows with its tokens.
-SCHEDULER_DEFAULTS = {"cuda": (512, 16384), "cpu": (64, 2048)}
+SCHEDULER_DEFAULTS = {"cuda": (1024, 16384), "cpu": (64, 2048)}
 GRAMMAR_TIMEOUT_S = 60.0  # a constraint's grammar must compile within this
 # device steps a decode run takes at most when scheduler.num_scheduler_steps is unset: on CUDA 8 (a small model's
 # nano on a host shared with busy processes: 1.9-2.5x faster than one step; no change where the host keeps up:
@@ -167,7 +167,8 @@ class LLMEngine:
         spec = self.model.kv_cache_spec
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device,
                                          per_block // (self.block_size * spec.num_layers), self._prefix_pass(kv_dtype))
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None,
+                                   cfg.scheduler.admission_headroom)
         self.num_scheduler_steps = cfg.scheduler.num_scheduler_steps or SCHEDULER_STEPS[self.device.type]
         eager = cfg.model.enforce_eager or self.parallel  # graphs do not hold the workers' commands yet
         graph_batch = 0 if eager else max_num_seqs

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.block_manager import KVBlockManager, OutOfBlocksError
+from engine.block_manager import KVBlockManager, OutOfBlocksError, blocks_needed
 from engine.sequence import Sequence, Status
 
 
@@ -93,9 +93,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: KVBlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 order_decodes_by_prefix: bool = False):
+                 order_decodes_by_prefix: bool = False, admission_headroom: int = 0):
         self.block_manager = block_manager
         self.order_decodes_by_prefix = order_decodes_by_prefix
+        self.admission_headroom = admission_headroom
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.admission_batch = max(1, max_num_seqs // 8)
@@ -240,11 +241,14 @@ class Scheduler:
         free_slots = self.max_num_seqs - len(self.running)
         if self.running and free_slots < min(self.admission_batch, len(self.waiting)):
             return hits, admitted
+        reserved = self._headroom_blocks() if self.admission_headroom and self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = manager.cached_prefix(seq, seq.held_samples)
-            if not manager.can_admit(seq.num_tokens, prefix):
+            growth = self._growth_blocks(seq) if self.admission_headroom else 0
+            if not manager.can_admit(seq.num_tokens, prefix, reserved + growth if self.running else 0):
                 break
+            reserved += growth
             seq.block_state = manager.create_sequence(seq.seq_id, prefix)
             hits += seq.num_computed_tokens
             admitted += seq.num_tokens
@@ -254,6 +258,20 @@ class Scheduler:
             self._add_chunk(seq, n, seqs, counts, slots)
             budget -= n
         return hits, admitted
+
+    def _headroom_blocks(self) -> int:
+        """Blocks the running sequences still need to hold their uncomputed tokens and admission_headroom
+        tokens more (each at most its max_num_tokens), beyond the blocks they hold."""
+        bs, headroom = self.block_manager.block_size, self.admission_headroom
+        return sum(max(0, blocks_needed(min(s.max_num_tokens, s.num_tokens + headroom), bs)
+                       - len(s.block_state.block_table)) for s in self.running)
+
+    def _growth_blocks(self, seq: Sequence) -> int:
+        """Blocks a waiting sequence takes beyond its tokens' to grow by admission_headroom tokens, with its held
+        samples' (each, once forked, the same growth and a copy of the partial last block)."""
+        bs, headroom = self.block_manager.block_size, self.admission_headroom
+        own = blocks_needed(min(seq.max_num_tokens, seq.num_tokens + headroom), bs) - blocks_needed(seq.num_tokens, bs)
+        return own + len(seq.held_samples) * (own + 1)
 
     def _add_chunk(self, seq: Sequence, n: int, seqs: list, counts: list, slots: list) -> None:
         seqs.append(seq), counts.append(n), slots.append(self.block_manager.append_tokens(seq.seq_id, n))

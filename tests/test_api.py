@@ -90,7 +90,7 @@ def test_engine_options_take_vllms_names(make_config):
         assert dataclasses.asdict(getattr(plain, section)) == OmegaConf.to_container(hydra[section])
     with pytest.raises(TypeError, match=r"^LLM\(\) got unknown engine options: 'max_num_seq' \(did you mean "
                                         r"max_num_seqs\?\), 'swap_space', 'tensor_parallel' \(did you mean "
-                                        r"tensor_parallel_size\?\) \(known: architecture, block_size, "):
+                                        r"tensor_parallel_size\?\) \(known: admission_headroom, architecture, "):
         LLM(model="tiny", max_num_seq=4, tensor_parallel=2, swap_space=4)
     with pytest.raises(TypeError, match=r"'gpu_memory_utilisation' \(did you mean gpu_memory_utilization\?\)"):
         LLM(model="tiny", gpu_memory_utilisation=0.5)

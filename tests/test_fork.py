@@ -165,7 +165,8 @@ def test_forked_samples_survive_preemption(make_config, one_thread, monkeypatch)
     """A pool of 12 blocks of 4 for 6 requests of n=4: forked samples are preempted and recompute their prompt
     and outputs; every sample still equals its one-sample run."""
     prompts = [[j + 1] + list(range(150, 150 + length)) for j, length in enumerate((5, 8, 13, 3, 11, 9))]
-    engine = make_engine(make_config, 4, "cache.num_blocks=12", "model.max_model_len=48", "scheduler.max_num_seqs=16")
+    engine = make_engine(make_config, 4, "cache.num_blocks=12", "model.max_model_len=48", "scheduler.max_num_seqs=16",
+                         "scheduler.admission_headroom=0")  # admissions that fill the pool, so that forks preempt
     forked, fork_held_samples = [], engine.scheduler._fork_held_samples
 
     def recording(batch):

@@ -119,7 +119,7 @@ def test_prompt_logprobs_are_computed_despite_the_prefix_cache_and_preemption(
     path, hf_model = qwen3_checkpoint
     engine = tiny_engine(make_config, path, "cache.enable_prefix_caching=true", "cache.num_blocks=24", "model.max_model_len=96",
                          "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=12",
-                         "cache.check_invariants=true")
+                         "scheduler.admission_headroom=0", "cache.check_invariants=true")  # admissions fill the pool
     head = prompts[4]
     engine.add_request("head", head, SamplingParams(max_tokens=2))
     list(engine.run())

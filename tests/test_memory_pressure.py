@@ -36,7 +36,8 @@ def test_a_starved_pool_gives_the_outputs_of_a_roomy_one(make_config, one_thread
 
     # 12 blocks: exactly one sequence of max_model_len; a small token budget chunks the prefills too
     starved = LLMEngine(make_config(*base, f"cache.num_blocks={MAX_MODEL_LEN // BLOCK_SIZE}",
-                                    "scheduler.max_num_seqs=16", "scheduler.max_num_batched_tokens=16"))
+                                    "scheduler.max_num_seqs=16", "scheduler.max_num_batched_tokens=16",
+                                    "scheduler.admission_headroom=0"))  # admissions that fill it
     outputs = run_all(starved, reqs)
     preemptions = sum(s.preemptions for s in starved.stats.steps)
     assert preemptions >= len(reqs) // 2, f"only {preemptions} preemptions: the pool was meant to be starved"

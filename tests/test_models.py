@@ -80,7 +80,7 @@ def test_greedy_matches_transformers_with_preemption(make_config, checkpoint, bl
     config = make_config(f"model.path={path}", "model.max_model_len=96", "model.device=auto",  # a pool's worth
                          "model.dtype=float32", f"cache.block_size={block_size}", f"cache.num_blocks={num_blocks}",
                          "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=16",
-                         "cache.check_invariants=true")
+                         "scheduler.admission_headroom=0", "cache.check_invariants=true")  # admissions fill the pool
     outputs, engine = engine_outputs(config, prompts)
     assert sum(s.preemptions for s in engine.stats.steps) > 0, "the pool was meant to force preemption"
     assert outputs == expected

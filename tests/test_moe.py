@@ -47,7 +47,7 @@ def test_greedy_matches_transformers(tmp_path, prompts, options, block_size, num
     expected, gap = reference_outputs(hf_model, prompts)
     assert gap > 1e-3, f"the reference has near-tied logits (gap {gap}): a weak oracle"
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, device="cpu", block_size=block_size,
-              num_blocks=num_blocks)
+              num_blocks=num_blocks, admission_headroom=0)  # admissions that fill the pool, then preempt
     layers = llm.engine.model.model.layers
     sparse = [type(layer.mlp).__name__ == "SparseMoeMLP" for layer in layers]
     assert sparse == [i not in options.get("mlp_only_layers", []) for i in range(3)]

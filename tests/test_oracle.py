@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_with_queueing_chunking_and_preemption(
     config = make_config(f"model.path={path}", "model.max_model_len=128", "model.device=auto",
                          "model.dtype=float32", "cache.block_size=4", "cache.num_blocks=24", "model.max_model_len=96",
                          "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=16",
-                         "cache.check_invariants=true")
+                         "scheduler.admission_headroom=0", "cache.check_invariants=true")
     outputs, engine = engine_outputs(config, prompts)
     steps = engine.stats.steps
     assert sum(s.preemptions for s in steps) > 0, "the pool was meant to force preemption"
@@ -93,7 +93,8 @@ def test_greedy_matches_transformers_with_prefix_caching_eviction_and_preemption
                          "model.dtype=float32", f"cache.block_size={block_size}", f"cache.num_blocks={num_blocks}",
                          f"model.max_model_len={block_size * num_blocks}",
                          "scheduler.max_num_seqs=3", "scheduler.max_num_batched_tokens=24",
-                         "cache.check_invariants=true", "cache.enable_prefix_caching=true")
+                         "scheduler.admission_headroom=0", "cache.check_invariants=true",
+                         "cache.enable_prefix_caching=true")
     engine = LLMEngine(config)
     manager, evictions = engine.block_manager, []
     allocate = manager.allocate_block

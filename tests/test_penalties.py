@@ -91,7 +91,8 @@ def test_penalties_survive_preemption_and_mix_with_plain_rows(make_config, qwen3
     batches with plain ones."""
     path, hf_model = qwen3_checkpoint
     config = tiny_config(make_config, path, "cache.num_blocks=16", "model.max_model_len=64", "scheduler.max_num_seqs=4",
-                         "scheduler.max_num_batched_tokens=16", "cache.check_invariants=true")
+                         "scheduler.max_num_batched_tokens=16", "scheduler.admission_headroom=0",  # admissions fill it
+                         "cache.check_invariants=true")
     penalised = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, repetition_penalty=1.5, frequency_penalty=0.5)
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     engine = LLMEngine(config)

@@ -1,3 +1,5 @@
+import pytest
+
 from engine.block_manager import KVBlockManager
 from engine.engine import LLMEngine
 from engine.scheduler import Scheduler
@@ -32,6 +34,51 @@ def test_admission_stops_at_the_token_budget_and_chunks_the_rest():
     assert follow_up.phase == "prefill" and [s.seq_id for s in follow_up.seqs] == [2] and follow_up.num_new_tokens == [2]
 
 
+@pytest.mark.parametrize("headroom, admitted", [(8, 5), (64, 3), (0, 10)])
+def test_admission_keeps_headroom_for_the_growth_of_every_running_sequence(headroom, admitted):
+    """20 blocks of 4; prompts of 8 tokens (2 blocks) that may grow by 16 tokens (4 blocks). The k-th admission
+    (k >= 2) keeps free the growth of itself and of the k - 1 before it: with a headroom of 8 tokens (2 blocks
+    each) 2 + 2 (k - 1) + 2 <= 20 - 2 (k - 1) holds up to k = 5; with 64, capped at the 16 tokens each may still
+    draw (4 blocks), 2 + 4 (k - 1) + 4 <= 20 - 2 (k - 1) up to k = 3; with none, 10 prompts fill the pool."""
+    scheduler = Scheduler(KVBlockManager(20, 4), max_num_seqs=16, max_num_batched_tokens=1000,
+                          admission_headroom=headroom)
+    for i in range(12):
+        scheduler.add(make_seq(i, 8))
+    assert len(scheduler.schedule().seqs) == admitted and len(scheduler.waiting) == 12 - admitted
+
+
+def test_a_headroom_of_the_whole_growth_never_preempts_and_changes_no_output(make_config):
+    """8 prompts of 8 tokens that grow by 16, in 20 blocks of 4: admitted as they fit now, the newest are
+    preempted as the others grow; with a headroom of 16 tokens, none is. Greedy outputs equal a roomy pool's."""
+    def run(*overrides):
+        engine = LLMEngine(make_config("cache.block_size=4", "model.max_model_len=32", "model.device=cpu",
+                                       "cache.enable_prefix_caching=false", "cache.check_invariants=true", *overrides))
+        seqs = [engine.add_request(str(i), list(range(10 * i + 1, 10 * i + 9)),
+                                   SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)) for i in range(8)]
+        list(engine.run())
+        return [s.output_token_ids for s in seqs], sum(s.preemptions for s in engine.stats.steps)
+
+    roomy, _ = run("cache.num_blocks=200")
+    packed, preempted = run("cache.num_blocks=20", "scheduler.admission_headroom=0")
+    kept, none = run("cache.num_blocks=20", "scheduler.admission_headroom=16")
+    assert preempted > 0 and none == 0
+    assert packed == kept == roomy
+
+
+def test_a_sequence_is_admitted_alone_whatever_its_headroom(make_config):
+    """A pool of one sequence of max_model_len (6 blocks of 4) and a request of 4 samples, whose headroom (64
+    tokens each) the pool cannot hold: with nothing running each is admitted anyway, one after another."""
+    engine = LLMEngine(make_config("cache.block_size=4", "cache.num_blocks=6", "model.max_model_len=24",
+                                   "model.device=cpu", "scheduler.admission_headroom=64"))
+    first = engine.add_request("0", list(range(1, 11)), SamplingParams(n=4, seed=1, max_tokens=14, ignore_eos=True))
+    samples = [first, *first.held_samples]
+    for _ in range(200):  # bounded: a headroom that blocked a lone admission would leave nothing to run
+        if not engine.scheduler.has_work():
+            break
+        engine.step()
+    assert not engine.scheduler.has_work() and all(len(s.output_token_ids) == 14 for s in samples)
+
+
 def test_sequence_cap():
     scheduler = Scheduler(KVBlockManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(3):
@@ -51,11 +98,11 @@ def test_slots_of_a_batch_follow_the_address_map():
 
 
 def test_freed_blocks_are_reused_and_nothing_leaks(make_config):
-    # 8 blocks of 4 tokens; admission needs the prompt's 2 blocks free, so at most 4 run at once, and
-    # as they grow to 16 tokens = 4 blocks each, the newest are preempted. (No prefix caching: the five
-    # equal prompts would share their blocks.)
+    # 8 blocks of 4 tokens; admission needs the prompt's 2 blocks free (no headroom kept for growth), so at most 4
+    # run at once, and as they grow to 16 tokens = 4 blocks each, the newest are preempted. (No prefix caching: the
+    # five equal prompts would share their blocks.)
     engine = LLMEngine(make_config("cache.block_size=4", "cache.num_blocks=8", "model.max_model_len=32", "model.device=cpu",
-                                   "cache.enable_prefix_caching=false"))
+                                   "cache.enable_prefix_caching=false", "scheduler.admission_headroom=0"))
     for i in range(5):
         engine.add_request(str(i), list(range(10, 18)), SamplingParams(max_tokens=8, ignore_eos=True))
     seen_blocks, finished = set(), []
@@ -72,7 +119,7 @@ def test_freed_blocks_are_reused_and_nothing_leaks(make_config):
 
 def test_preemption_frees_the_newest_and_recomputes(make_config):
     engine = LLMEngine(make_config("cache.block_size=2", "cache.num_blocks=10", "model.max_model_len=20",
-                                   "model.device=cpu"))
+                                   "model.device=cpu", "scheduler.admission_headroom=0"))  # admits what fits now
     seqs = [engine.add_request(str(i), list(range(1, 7)), SamplingParams(max_tokens=8, ignore_eos=True)) for i in range(3)]
     finished = list(engine.run())
     assert len(finished) == 3 and sum(s.preemptions for s in engine.stats.steps) > 0

@@ -21,7 +21,7 @@ def rss_bytes() -> int:
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc (Linux)")
 def test_soak(make_config, one_thread):
     engine = LLMEngine(make_config("model.device=cpu", "model.max_model_len=32", "cache.block_size=4",
-                                   "cache.num_blocks=24", "scheduler.max_num_seqs=16",
+                                   "cache.num_blocks=24", "scheduler.max_num_seqs=16", "scheduler.admission_headroom=0",
                                    "scheduler.max_num_batched_tokens=48", "cache.check_invariants=true"))
     rng = random.Random(0)
     live = weakref.WeakSet()  # every Sequence the engine holds: it must let go of each once finished

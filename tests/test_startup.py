@@ -55,11 +55,11 @@ def test_the_engine_phases_add_up_to_its_construction(make_config):
         assert before - 0.01 <= engine.startup_s["before_engine"] <= after + 0.01
 
 
-@pytest.mark.parametrize("max_num_seqs", [20, 1])
+@pytest.mark.parametrize("max_num_seqs", [20, 1, 600])
 def test_the_warm_up_decodes_once_at_each_graph_bucket_and_the_size_below(make_config, monkeypatch, max_num_seqs):
     """The warm-up's steps, recorded as the scheduler hands them out: one prefill step of every request, then
-    one decode step at each decode graph bucket (1, 2, 4, 8, the multiples of 16 below max_num_seqs, and
-    max_num_seqs itself) and at the size below each, largest first."""
+    one decode step at each decode graph bucket (1, 2, 4, 8, the multiples of 16 up to 512 and of 64 above,
+    below max_num_seqs, and max_num_seqs itself) and at the size below each, largest first."""
     engine = LLMEngine(make_config("model.device=cpu", f"scheduler.max_num_seqs={max_num_seqs}"))
     steps = []
     schedule = engine.scheduler.schedule
@@ -71,7 +71,7 @@ def test_the_warm_up_decodes_once_at_each_graph_bucket_and_the_size_below(make_c
 
     monkeypatch.setattr(engine.scheduler, "schedule", recording)
     engine._warm_up()
-    buckets = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+    buckets = [b for b in [1, 2, 4, 8, *range(16, 513, 16), *range(576, 2048, 64)] if b < max_num_seqs] + [max_num_seqs]
     sizes = sorted({s for b in buckets for s in (b, b - 1)} - {0}, reverse=True)
     assert steps[0] == (True, max_num_seqs)
     assert [n for prefill, n in steps[1:] if n] == sizes and not any(prefill for prefill, _ in steps[1:])

@@ -67,7 +67,8 @@ def test_two_ranks_match_transformers_with_prefix_caching_and_n_samples(qwen3_ch
 
 def test_two_ranks_match_transformers_when_the_pool_preempts(qwen3_checkpoint, prompts_and_reference):
     prompts, expected = prompts_and_reference
-    with split_llm(qwen3_checkpoint[0], block_size=4, num_blocks=32) as llm:  # 128 slots for 1-63 + 24 tokens each
+    # 128 slots for 1-63 + 24 tokens each, filled by admissions that keep no headroom for growth
+    with split_llm(qwen3_checkpoint[0], block_size=4, num_blocks=32, admission_headroom=0) as llm:
         assert token_ids(llm.generate(prompts, GREEDY)) == [[e] for e in expected]
         assert llm.stats().figures["preemptions"] > 0, "the pool was meant to preempt"
 
