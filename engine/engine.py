@@ -36,7 +36,8 @@ from ops.cascade import PrefixPass
 log = logging.getLogger("minipaged")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # (max_num_seqs, max_num_batched_tokens) when the config leaves them unset: on CUDA what measured best on
-# an H200 (benchmarks/NOTES.md); on the CPU small batches, where a step's cost grows with its tokens.
+# an H200 (1,024 as vLLM on this class of GPU: benchmarks/NOTES.md, session 40); on the CPU small batches,
+# where a step's cost grows with its tokens.
 SCHEDULER_DEFAULTS = {"cuda": (1024, 16384), "cpu": (64, 2048)}
 GRAMMAR_TIMEOUT_S = 60.0  # a constraint's grammar must compile within this
 # device steps a decode run takes at most when scheduler.num_scheduler_steps is unset: on CUDA 8 (a small model's

@@ -23,7 +23,12 @@ reads the block manager's sequence_length), so a batch's rows are past their chu
 Admission: a waiting sequence takes the longest run of its full blocks that the prefix cache holds
 (never its last token, whose logits are needed: KVBlockManager.cached_prefix), and is admitted when
 the rest of it fits in the free blocks (cached blocks count as free), the budget has room for (a chunk
-of) it and fewer than max_num_seqs sequences run. When a decoding sequence needs a block and none is
+of) it and fewer than max_num_seqs sequences run. With admission_headroom H > 0 the free blocks must also
+cover, besides, what every running sequence and every one admitted before it in the step needs to reach
+min(its tokens + H, its max_num_tokens) (its held samples: their growth and a partial block's copy each), so
+that admissions do not fill the pool and leave the running rows to preempt one another as they grow; with
+nothing running, a sequence is admitted on its tokens alone (a pool of one max_model_len must progress).
+When a decoding sequence needs a block and none is
 free, the newest running sequence is preempted by recompute: its blocks are released (those holding a
 hash stay cached, so the recompute usually hits them) and it waits, first in line, to be prefilled again
 from its prompt and the outputs it already has. A step that preempted admits nothing, so a victim is not re-admitted at once.
