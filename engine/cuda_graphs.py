@@ -66,9 +66,8 @@ COARSE_BUCKETS_FROM = 512
 def bucket_sizes(max_batch: int) -> list[int]:
     """The decode graphs' batch sizes, ascending: 1, 2, 4, 8, the multiples of 16 up to COARSE_BUCKETS_FROM, those
     of 64 above it, then max_batch."""
-    fine = list(range(16, min(max_batch, COARSE_BUCKETS_FROM + 1), 16))
-    coarse = list(range(COARSE_BUCKETS_FROM + 64, max_batch, 64))
-    return [b for b in (1, 2, 4, 8) + tuple(fine) + tuple(coarse) if b < max_batch] + [max_batch]
+    sizes = [1, 2, 4, 8, *range(16, COARSE_BUCKETS_FROM + 1, 16), *range(COARSE_BUCKETS_FROM + 64, max_batch, 64)]
+    return [b for b in sizes if b < max_batch] + [max_batch]
 
 
 def copy_groups(static: CascadeMetadata, groups: CascadeMetadata) -> None:
