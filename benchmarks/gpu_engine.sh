@@ -90,10 +90,11 @@ want fp8_70b && { MODEL=llama-3.3-70b bench nano_70b job.workload=nano model.qua
   steps $runs/nano_70b/steps.parquet; }
 want kl && python3 benchmarks/fp8_kl.py ${MODEL:-qwen3-8b} 64 512 2>&1 | grep -v Warn | tee "$out/fp8_kl.log"
 want rollout && { bench rollout job.workload=rollout; steps $runs/rollout/steps.parquet; }
-if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the first time on this machine, then again
+if want startup; then (  # issue 33: a 64-prompt job's start-up breakdown, the first time on this machine, then again
   # with the Python bytecode the first run wrote, as a machine with installed packages has (the lent H200 sets
-  # PYTHONDONTWRITEBYTECODE, so every process there compiles ~1,850 modules' sources: 3-5 s)
-  export PYTHONPYCACHEPREFIX=/tmp/minipaged_pycache; unset PYTHONDONTWRITEBYTECODE
+  # PYTHONDONTWRITEBYTECODE, so every process there compiles ~1,850 modules' sources: 3-5 s); the first run with an
+  # empty Triton cache, whatever ran before it in this call
+  export PYTHONPYCACHEPREFIX=/tmp/minipaged_pycache TRITON_CACHE_DIR=$(mktemp -d); unset PYTHONDONTWRITEBYTECODE
   for run in first again; do
     t0=$(date +%s.%N)
     python3 -m engine.run job=bench model=${MODEL:-qwen3-0.6b} job.num_prompts=64 hydra.run.dir=$runs/startup_$run \
@@ -108,7 +109,7 @@ if want startup; then  # issue 33: a 64-prompt job's start-up breakdown, the fir
   # what the 12-13 s before the engine are: the imports' cumulative times, largest first
   python3 -X importtime -c "import jobs.cli, jobs.generate, jobs.bench, engine.engine" 2>&1 >/dev/null |
     sort -t'|' -k2 -n -r | head -25 | tee -a "$out/startup.log"
-fi
+) fi  # a subshell: the caches it sets are its own
 want moe && { python3 benchmarks/moe_op.py --save 2>&1 | grep -v Warn | tee "$out/moe_op.log"
   MODEL=qwen3-30b-a3b bench nano_moe job.workload=nano; steps $runs/nano_moe/steps.parquet; }
 want samples && { bench nano64_n4 job.num_prompts=64 'job.input_len=[100,1024]' 'job.output_len=[100,1024]' sampling.temperature=0.6 sampling.n=4; steps $runs/nano64_n4/steps.parquet; }

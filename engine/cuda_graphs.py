@@ -30,6 +30,7 @@ import torch
 
 import ops
 from engine.attention import AttentionMetadata, CascadeMetadata
+from engine.kernel_compiles import CompilePool
 from engine.models.decoder import ForwardState
 from engine.prefix_groups import CascadePolicy
 from ops.cascade import WORK_FIELDS
@@ -84,7 +85,9 @@ def copy_groups(static: CascadeMetadata, groups: CascadeMetadata) -> None:
 class DecodeGraphs:
     @torch.inference_mode()
     def __init__(self, model, kv_cache, max_batch: int, max_blocks_per_seq: int, device,
-                 cascade: CascadePolicy | None = None):
+                 cascade: CascadePolicy | None = None, compiles: CompilePool | None = None):
+        """compiles: a dry pass of every graph's forward first, so that their kernels compile side by side
+        (engine/kernel_compiles.py); None: each compiles at its capture's warm-up call."""
         self.model, self.kv_cache = model, kv_cache
         self.buckets = bucket_sizes(max_batch)
         self.inputs = StaticInputs(max_batch, device)
@@ -109,6 +112,12 @@ class DecodeGraphs:
         self.step = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.graphs, self.draws, self.tokens = {}, {}, {}  # draws and tokens by bucket size: a cascade twin shares
         self._last: tuple[int, torch.Tensor] | None = None  # the last run's bucket size and logits view
+        if compiles is not None:
+            with compiles.ahead():
+                for key in keys:
+                    self._forward(*key)
+                for size in self.buckets:
+                    self._draw(size)
         pools = {"forward": None, "draw": None}  # largest first, so the smaller ones reuse the largest's pool
         for key in sorted(keys, reverse=True):
             self.graphs[key], _ = self._captured(lambda: self._forward(*key), pools, "forward")
@@ -200,7 +209,9 @@ class PiecewiseGraphs:
     check the cut there)."""
 
     @torch.inference_mode()
-    def __init__(self, model, kv_cache, max_tokens: int, device, capture: bool = True):
+    def __init__(self, model, kv_cache, max_tokens: int, device, capture: bool = True,
+                 compiles: CompilePool | None = None):
+        """compiles: as DecodeGraphs'."""
         self.model, self.kv_cache = model, kv_cache
         arch = model.arch
         self.buckets = token_buckets(max_tokens)
@@ -211,6 +222,11 @@ class PiecewiseGraphs:
         self.state: ForwardState | None = None  # a forward's, between two of its pieces
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] | None = None
         start = time.perf_counter()
+        if capture and compiles is not None:
+            with compiles.ahead():
+                for size in self.buckets:
+                    for piece in range(self.num_pieces):
+                        self._piece(piece, size)
         if capture:
             self.graphs, pool = {}, None
             for size in reversed(self.buckets):  # largest first, so the smaller ones reuse its pool

@@ -17,6 +17,7 @@ from engine.cuda_graphs import PIECE_MAX_TOKENS, bucket_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, RequestError
 from engine.generation_config import read_generation_config, stop_ids
+from engine.kernel_compiles import CompilePool, start_compile_pool
 from engine.kv_cache import PagedKVCache, bytes_per_block, cache_dtype, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
@@ -102,6 +103,11 @@ def piecewise_graphs_on(model_cfg, device: torch.device) -> bool:
     return device.type == "cuda" if model_cfg.piecewise_graphs is None else model_cfg.piecewise_graphs
 
 
+def sized_by_trial(cache_cfg) -> bool:
+    """Whether a CUDA pool is sized from the memory a trial step leaves (kv_bytes_left), not set in blocks or GB."""
+    return cache_cfg.num_blocks is None and cache_cfg.kv_budget_gb is None
+
+
 class LLMEngine:
     def __init__(self, cfg, run_dir: Path | None = None, reasoning_parser: str | None = None,
                  max_sequences: int | None = None):
@@ -121,10 +127,26 @@ class LLMEngine:
         self.max_model_len = cfg.model.max_model_len
         self.device, self.dtype = resolve_device(cfg.model)
         self.parallel = cfg.model.tensor_parallel_size > 1
-        sized_by_trial = cfg.cache.num_blocks is None and cfg.cache.kv_budget_gb is None
-        if self.parallel and self.device.type == "cuda" and sized_by_trial:  # the workers take no part in the trial
+        if self.parallel and self.device.type == "cuda" and sized_by_trial(cfg.cache):  # the workers take no part in it
             raise ConfigError("model.tensor_parallel_size > 1 on CUDA needs cache.kv_budget_gb (each rank's) "
                               "or cache.num_blocks")
+        # the start-up's kernels compile side by side in these (engine/kernel_compiles.py), which begin now
+        compiles = start_compile_pool(self.device) if not self.parallel else None
+        try:
+            self._start(laps, compiles, reasoning_parser, max_sequences)
+        finally:
+            if compiles is not None:
+                compiles.close()
+                if compiles.sent:
+                    log.info("start-up: %d kernel variants compiled in %d worker processes (%d failed), %.2f s waited "
+                             "for them", compiles.sent, compiles.num_workers, compiles.failed, compiles.wait_s)
+        self.startup_s = {"before_engine": started_s, **laps.phases}
+
+    def _start(self, laps: Laps, compiles: CompilePool | None, reasoning_parser: str | None,
+               max_sequences: int | None) -> None:
+        """__init__'s phases (see there), each closed by a lap; compiles: a pool for the kernels that the KV
+        pool's trial forward and the graphs' captures launch, None: each compiles at its launch."""
+        cfg = self.cfg
         if self.parallel:  # its ranks' shares, the workers started (engine/parallel.py)
             self.model = build_parallel_model(cfg.model, self.device, self.dtype, cfg.scheduler.step_timeout_s)
             config_eos = self.model.eos_token_ids
@@ -134,6 +156,9 @@ class LLMEngine:
         self.eos_token_ids = stop_ids(config_eos, self.generation_config)
         if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
             torch.set_num_threads(cpu_threads(cfg.model, self.model.arch.hidden_size))
+        if compiles is not None and self.model.arch.num_experts:  # its routing's indices are kernels' outputs
+            compiles.close()
+            compiles = None
         laps.lap("model")
         # the samplers' kernels compile while the tokenizer loads and the KV pool is sized
         compiling = start_compiling_samplers(self.model.arch.vocab_size, self.dtype, self.device) \
@@ -150,9 +175,9 @@ class LLMEngine:
         max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         kv_dtype = cache_dtype(cfg.cache.kv_cache_dtype, self.dtype, self.device)
         free_bytes = None
-        if self.device.type == "cuda" and sized_by_trial:
+        if self.device.type == "cuda" and sized_by_trial(cfg.cache):
             free_bytes = kv_bytes_left(self.model, self.device, cfg.cache.gpu_memory_utilization,
-                                       max_num_batched_tokens, max_num_seqs)
+                                       max_num_batched_tokens, max_num_seqs, self.block_size, kv_dtype, compiles)
         per_block = bytes_per_block(self.model.kv_cache_spec, self.block_size, kv_dtype)
         num_blocks = num_blocks_for(cfg.cache, per_block, self.device, self.max_model_len, max_num_seqs, free_bytes)
         self.kv_cache = PagedKVCache(self.model.kv_cache_spec, num_blocks, self.block_size, kv_dtype, self.device)
@@ -175,8 +200,10 @@ class LLMEngine:
         graph_batch = 0 if eager else max_num_seqs
         piece_tokens = min(max_num_batched_tokens, PIECE_MAX_TOKENS) if piecewise_graphs_on(cfg.model, self.device) \
             and not eager else 0
+        if compiles is not None and not compiles.started:  # a dry pass costs a forward a graph: not for a warm cache
+            compiles = None
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.device, max_blocks_per_seq, graph_batch,
-                                  self.eos_token_ids, cascade, piece_tokens, cfg.scheduler.step_timeout_s)
+                                  self.eos_token_ids, cascade, piece_tokens, cfg.scheduler.step_timeout_s, compiles)
         if self.runner.pieces is not None:
             log.info("piecewise graphs: %d token counts up to %d, %d pieces each, captured in %.1f s",
                      len(self.runner.pieces.buckets), piece_tokens, self.runner.pieces.num_pieces,
@@ -191,7 +218,6 @@ class LLMEngine:
             self._warm_up()
         gc.collect()  # start-up's objects leave the young generations now, not in the first run's intake
         laps.lap("warm_up")
-        self.startup_s = {"before_engine": started_s, **laps.phases}
 
     def _prefix_pass(self, kv_dtype: torch.dtype) -> PrefixPass | None:
         """How the cascade's Triton prefix pass plans a step on this model's heads (None on the CPU, whose

@@ -25,6 +25,7 @@ import ops
 from engine.attention import AttentionMetadata, CascadeMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager, new_token_positions
 from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from engine.kernel_compiles import CompilePool
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
 from engine.prefix_groups import CascadePolicy, PrefixGroups, find_prefix_groups
@@ -43,8 +44,10 @@ _SEQ_ID, _SAMPLING = attrgetter("seq_id"), attrgetter("sampling")
 class ModelRunner:
     def __init__(self, model: DecoderForCausalLM, kv_cache: PagedKVCache, block_manager: KVBlockManager,
                  device: torch.device, max_blocks_per_seq: int, max_graph_batch: int = 0, eos_token_ids=(),
-                 cascade: CascadePolicy | None = None, max_piece_tokens: int = 0, fill_timeout_s: float | None = None):
-        """fill_timeout_s: how long a step's grammar masks may take to fill (None: no limit)."""
+                 cascade: CascadePolicy | None = None, max_piece_tokens: int = 0, fill_timeout_s: float | None = None,
+                 compiles: CompilePool | None = None):
+        """fill_timeout_s: how long a step's grammar masks may take to fill (None: no limit); compiles: where the
+        graphs' kernels compile before their captures (None: at their launches)."""
         self.model, self.kv_cache, self.block_manager, self.device = model, kv_cache, block_manager, device
         self.fill_timeout_s = fill_timeout_s
         self.cascade = cascade
@@ -54,10 +57,10 @@ class ModelRunner:
         self.sampler_fallbacks = torch.zeros(1, dtype=torch.int32, device=device)  # rows drawn by the exact fallback
         self.graphs = None
         if device.type == "cuda" and max_graph_batch > 0:
-            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device, cascade)
+            self.graphs = DecodeGraphs(model, kv_cache, max_graph_batch, max_blocks_per_seq, device, cascade, compiles)
         self.pieces = None  # steps with prompt chunks: graphs of the pieces around attention (eager pieces on CPU)
         if max_piece_tokens > 0:
-            self.pieces = PiecewiseGraphs(model, kv_cache, max_piece_tokens, device, capture=device.type == "cuda")
+            self.pieces = PiecewiseGraphs(model, kv_cache, max_piece_tokens, device, device.type == "cuda", compiles)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return upload(array, self.device)
@@ -415,31 +418,55 @@ def recorded_event(device: torch.device) -> "torch.cuda.Event | None":
     return event
 
 
-@torch.inference_mode()
-def kv_bytes_left(model: DecoderForCausalLM, device, utilization: float, max_tokens: int, max_seqs: int) -> int:
-    """Device memory left for KV blocks: utilization * total, minus the peak of a warm-up step at the
-    largest token budget (weights, activations, logits of max_seqs rows)."""
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    num_seqs = min(max_seqs, max_tokens)
-    counts = np.full(num_seqs, max_tokens // num_seqs)
-    counts[: max_tokens % num_seqs] += 1
-    warm_cache = PagedKVCache(model.kv_cache_spec, max_tokens, 1, model.dtype, device)  # slot = block
+def trial_layout(num_tokens: int, num_seqs: int, block_size: int) -> tuple[np.ndarray, ...]:
+    """The KV pool's trial step: num_tokens prompt tokens in num_seqs sequences of near-equal lengths, each in
+    blocks of its own after the one before's -> int32 (lengths [S], block_tables [S, most blocks] (-1 past a
+    sequence's), slot_mapping [T]) and int64 positions [T]."""
+    counts = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int32)
+    counts[: num_tokens % num_seqs] += 1
+    blocks = -(-counts // block_size)
+    first_block = np.concatenate([[0], np.cumsum(blocks)[:-1]])
+    positions = np.arange(num_tokens) - np.repeat(np.cumsum(counts) - counts, counts)
+    columns = np.arange(int(blocks.max()))
+    tables = np.where(columns < blocks[:, None], first_block[:, None] + columns, -1).astype(np.int32)
+    slots = (np.repeat(first_block, counts) * block_size + positions).astype(np.int32)
+    return counts, tables, slots, positions
+
+
+def trial_step(model: DecoderForCausalLM, cache: PagedKVCache, num_tokens: int, num_seqs: int, device) -> None:
+    """The forward of trial_layout(num_tokens, num_seqs, the cache's block size) in cache (token ids 0), and
+    the logits of num_seqs rows."""
+    counts, tables, slots, positions = trial_layout(num_tokens, num_seqs, cache.block_size)
     cu_seqlens = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    slots = torch.arange(max_tokens, dtype=torch.int32, device=device)
-    tables = torch.full((num_seqs, int(counts.max())), -1, dtype=torch.int32, device=device)
-    for b, (start, n) in enumerate(zip(cu_seqlens[:-1].tolist(), counts.tolist())):
-        tables[b, :n] = slots[start:start + n]
     no_decodes = torch.zeros(0, dtype=torch.int32, device=device)
-    meta = AttentionMetadata(slots, no_decodes.reshape(0, tables.shape[1]), no_decodes, PrefillMetadata(
-        tables, torch.from_numpy(counts.astype(np.int32)).to(device), torch.from_numpy(cu_seqlens).to(device)))
-    input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-    positions = torch.from_numpy(np.arange(max_tokens) - np.repeat(cu_seqlens[:-1], counts)).to(device)
-    hidden = model(input_ids, positions, warm_cache, meta)
+    meta = AttentionMetadata(torch.from_numpy(slots).to(device), no_decodes.reshape(0, tables.shape[1]), no_decodes,
+                             PrefillMetadata(torch.from_numpy(tables).to(device), torch.from_numpy(counts).to(device),
+                                             torch.from_numpy(cu_seqlens).to(device)))
+    input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    hidden = model(input_ids, torch.from_numpy(positions).to(device), cache, meta)
     model.compute_logits(hidden[:num_seqs].contiguous())
+
+
+@torch.inference_mode()
+def kv_bytes_left(model: DecoderForCausalLM, device, utilization: float, max_tokens: int, max_seqs: int,
+                  block_size: int, kv_dtype: torch.dtype, compiles: CompilePool | None = None) -> int:
+    """Device memory left for KV blocks: utilization * total, minus the peak of a trial step at the largest
+    token budget (weights, activations, logits of max_seqs rows). Its cache has the run's block size and
+    dtype, so that the kernels it compiles are the run's (a block size is a compiled constant); compiles: a
+    dry pass first of two sequences of the trial's length (its kernels' variants in a few launches), so that
+    they compile side by side (engine/kernel_compiles.py)."""
+    num_seqs = min(max_seqs, max_tokens)
+    _, tables, _, _ = trial_layout(max_tokens, num_seqs, block_size)
+    torch.cuda.empty_cache()
+    warm_cache = PagedKVCache(model.kv_cache_spec, int(tables.max()) + 1, block_size, kv_dtype, device)
+    if compiles is not None:
+        with compiles.ahead():
+            trial_step(model, warm_cache, 2 * -(-max_tokens // num_seqs), 2, device)
+    torch.cuda.reset_peak_memory_stats(device)  # the peak from here on: the warm cache, allocated, counts in it
+    trial_step(model, warm_cache, max_tokens, num_seqs, device)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(device) - warm_cache.bytes
-    del warm_cache, hidden
+    del warm_cache
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     return max(int(total * utilization) - peak, 0)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from engine import kv_cache
 from engine.engine import LLMEngine
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec, PagedKVCache, host_memory_available, num_blocks_for
+from engine.model_runner import trial_layout, trial_step
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -129,3 +131,47 @@ def test_a_pool_beyond_memory_stops_the_job_with_a_message(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "error: cache: a KV pool of 100000000 blocks (8192 bytes each) needs 819.20 GB" in result.stderr
     assert "lower cache.kv_budget_gb or cache.num_blocks" in result.stderr
+
+
+@pytest.mark.parametrize("num_tokens, num_seqs, block_size", [(37, 5, 4), (16384, 1024, 16), (16384, 512, 128),
+                                                               (100, 100, 1), (300, 7, 16)])
+def test_the_trial_steps_sequences_each_take_blocks_of_their_own(num_tokens, num_seqs, block_size):
+    """The KV pool's trial step at the run's block size (model_runner.trial_layout): lengths that differ by at
+    most one and sum to the budget, positions from 0 in each sequence, and each token's slot the one its
+    table's block gives (block_tables[s, p // block_size] * block_size + p % block_size), no block in two
+    sequences' tables and no slot written twice."""
+    counts, tables, slots, positions = trial_layout(num_tokens, num_seqs, block_size)
+    assert counts.sum() == num_tokens and counts.max() - counts.min() <= 1
+    seq = np.repeat(np.arange(num_seqs), counts)
+    assert (positions == np.concatenate([np.arange(n) for n in counts])).all()
+    assert (slots == tables[seq, positions // block_size] * block_size + positions % block_size).all()
+    assert len(set(slots.tolist())) == num_tokens
+    used = [tables[s, : -(-counts[s] // block_size)] for s in range(num_seqs)]
+    assert all((row >= 0).all() for row in used) and (tables >= -1).all()
+    assert (tables >= 0).sum() == sum(len(row) for row in used)  # -1 past each sequence's blocks
+    assert len(set(np.concatenate(used).tolist())) == sum(len(row) for row in used)
+
+
+def test_the_trial_step_writes_the_same_keys_and_values_whatever_the_block_size(one_thread):
+    """model_runner.trial_step (the KV pool's trial forward, on CUDA only in a run) on the tiny model on the
+    CPU: 37 tokens in 5 sequences at block size 4 give every layer the keys and values that block size 1
+    gives (slot = position in the batch), read back through each layout's own address map; a wrong table
+    would change the attention, hence the last layer's keys. Slots no token maps stay zero."""
+    from engine.config import engine_config
+    from engine.models.loader import build_model
+
+    torch.manual_seed(0)
+    model, _ = build_model(engine_config("tiny").model, CPU, torch.float32)
+    kv = {}
+    for block_size in (1, 4):
+        _, tables, slots, _ = trial_layout(37, 5, block_size)
+        cache = PagedKVCache(model.kv_cache_spec, int(tables.max()) + 1, block_size, torch.float32, CPU)
+        trial_step(model, cache, 37, 5, CPU)
+        flat = [c.permute(0, 2, 1, 3).reshape(-1, c.shape[1], c.shape[3])  # [slots, heads, head_dim]
+                for c in cache.key_caches + cache.value_caches]
+        unused = np.setdiff1d(np.arange(flat[0].shape[0]), slots)
+        assert all((f[torch.from_numpy(unused)] == 0).all() for f in flat)
+        kv[block_size] = [f[torch.from_numpy(slots.astype(np.int64))] for f in flat]
+    for narrow, wide in zip(kv[1], kv[4]):
+        torch.testing.assert_close(wide, narrow, rtol=0, atol=0)
+    assert kv[4][-1].abs().sum() > 0

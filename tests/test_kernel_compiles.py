@@ -1,0 +1,175 @@
+"""engine/kernel_compiles.py: a dry pass sends the kernel variants that neither this process nor Triton's disk
+cache holds to worker processes, skips their launches, and the launches after find them on disk.
+
+Each test runs in a child process of its own: no Triton interpreter there (tests/conftest.py sets it for
+this one), an empty TRITON_CACHE_DIR, and a stand-in driver whose target is an H100/H200 (sm_90), so that
+Triton compiles real cubins on this machine (its ptxas) and a launch gets as far as its compilation. The
+oracle of "found on disk" is Triton's own: a compilation that hits its cache never builds the kernel's IR
+(ASTSource.make_ir); one that misses does, which each test also shows on a variant it never sent."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PRELUDE = """
+import os, sys, threading, time
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.driver import driver
+
+class SM90:  # what JITFunction.run asks of a driver before it compiles
+    def get_current_device(self): return 0
+    def get_current_stream(self, device): return 0
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+
+driver.set_active(SM90())
+import ops.fused as F
+from engine.kernel_compiles import CompilePool
+
+BUILDS = []
+_make_ir = ASTSource.make_ir
+def counted_make_ir(*args, **kwargs):
+    BUILDS.append(1)
+    return _make_ir(*args, **kwargs)
+ASTSource.make_ir = counted_make_ir
+
+def compile_here(width):
+    # an RMSNorm variant of this row width compiled in this process, not launched: IR builds it took
+    x, w = torch.randn(4, width), torch.randn(width)
+    out = torch.empty_like(x)
+    before = len(BUILDS)
+    block = 1 << (width - 1).bit_length()
+    F._rms_norm_kernel.run(x, w, out, width, 1e-6, *x.stride(), *out.stride(), BLOCK=block, grid=(4,), warmup=True,
+                           num_warps=F._num_warps(block))
+    return len(BUILDS) - before
+
+def until_ready(pool, n):
+    deadline = time.monotonic() + 120
+    while pool.ready < n:
+        assert time.monotonic() < deadline, "workers not ready in 120 s"
+        time.sleep(0.05)
+"""
+
+
+def run_child(body: str, tmp_path: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    result = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.fixture(autouse=True)
+def needs_a_cuda_backend():
+    pytest.importorskip("triton.backends.nvidia.compiler")
+
+
+def test_the_variants_a_dry_pass_meets_compile_in_workers_and_are_found_on_disk_after(tmp_path):
+    out = run_child("""
+        pool = CompilePool(2, start_now=True)
+        until_ready(pool, 2)
+        with pool.ahead():  # two variants (row widths 64 and 200), one of them twice: no launch, two sent
+            for width in (64, 64, 200):
+                F.rms_norm(torch.randn(4, width), torch.randn(width), 1e-6)
+        assert (pool.sent, pool.failed) == (2, 0), (pool.sent, pool.failed)
+        assert len(BUILDS) == 0
+        assert compile_here(64) == 0 and compile_here(200) == 0  # on disk: no IR built here
+        assert compile_here(96) == 1  # a variant no worker compiled
+        pool.close()
+        print("ok")
+    """, tmp_path)
+    assert out.strip() == "ok"
+
+
+def test_a_variant_already_on_disk_compiles_here_and_starts_no_worker(tmp_path):
+    out = run_child("""
+        assert compile_here(64) == 1
+        F._rms_norm_kernel.device_caches.clear()  # forgotten by this process, still on disk
+        pool = CompilePool(2)
+        with pool.ahead():
+            built = compile_here(64)
+        assert (built, pool.sent, pool.ready) == (0, 0, 0), (built, pool.sent, pool.ready)
+        assert F._rms_norm_kernel.device_caches[0][0], "compiled here, in this process' cache"
+        pool.close()
+        print("ok")
+    """, tmp_path)
+    assert out.strip() == "ok"
+
+
+def test_launches_of_other_threads_and_after_the_block_compile_as_usual(tmp_path):
+    out = run_child("""
+        pool = CompilePool(1, start_now=True)
+        until_ready(pool, 1)
+        builds = []
+        with pool.ahead():
+            other = threading.Thread(target=lambda: builds.append(compile_here(64)))
+            other.start()
+            other.join()
+        assert (builds, pool.sent) == ([1], 0), (builds, pool.sent)
+        assert compile_here(200) == 1 and pool.sent == 0
+        pool.close()
+        print("ok")
+    """, tmp_path)
+    assert out.strip() == "ok"
+
+
+def test_a_dead_worker_or_a_wait_that_runs_out_leaves_the_variants_to_their_launches(tmp_path):
+    out = run_child("""
+        pool = CompilePool(1, start_now=True)
+        until_ready(pool, 1)
+        pool._workers[0].kill()  # the only worker dies: what was sent to it fails, nothing waits for long
+        start = time.monotonic()
+        with pool.ahead():
+            F.rms_norm(torch.randn(4, 64), torch.randn(64), 1e-6)
+        assert (pool.sent, pool.failed, pool.ready) == (1, 1, 0), (pool.sent, pool.failed, pool.ready)
+        assert time.monotonic() - start < 60
+        assert compile_here(64) == 1  # compiled here at its launch
+        pool.close()
+
+        slow = CompilePool(1, timeout_s=0.0, start_now=True)  # no compilation is done in no time
+        until_ready(slow, 1)
+        with slow.ahead():
+            F.rms_norm(torch.randn(4, 200), torch.randn(200), 1e-6)
+        assert slow.sent == 1 and all(w.poll() is not None for w in slow._workers), "stopped after the wait"
+        with slow.ahead():  # a closed pool sends nothing: the variant compiles here
+            built = compile_here(96)
+        assert (built, slow.sent) == (1, 1), (built, slow.sent)
+        print("ok")
+    """, tmp_path)
+    assert out.strip() == "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton compiles kernels on CUDA only")
+def test_a_cuda_start_up_with_an_empty_cache_compiles_the_graphs_kernels_in_workers(tmp_path):
+    """The engine with an empty Triton cache: its pool's workers compile what the KV pool's trial and the
+    graphs' dry passes send, and the graphs' captures then build no kernel in the engine's process."""
+    out = run_child("""
+        from engine.config import engine_config
+        from engine import cuda_graphs, kernel_compiles
+        from engine.engine import LLMEngine
+
+        driver.reset_active()  # the real CUDA driver here
+        pools, graph_builds = [], []
+        made = kernel_compiles.CompilePool.__init__
+        kernel_compiles.CompilePool.__init__ = lambda self, *a, **k: (pools.append(self), made(self, *a, **k))[1]
+        captured = cuda_graphs.DecodeGraphs.__init__
+        def counted(self, *args, **kwargs):
+            before = len(BUILDS)
+            captured(self, *args, **kwargs)
+            graph_builds.append(len(BUILDS) - before)
+        cuda_graphs.DecodeGraphs.__init__ = counted
+        engine = LLMEngine(engine_config("tiny", max_num_seqs=24, max_model_len=256))
+        (pool,) = pools
+        assert pool.sent > 0 and pool.failed == 0, (pool.sent, pool.failed)
+        assert graph_builds == [0], graph_builds
+        print("ok")
+    """, tmp_path)
+    assert out.strip() == "ok"
