@@ -23,6 +23,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
 
 class SM90:  # what JITFunction.run asks of a driver before it compiles
     def get_current_device(self): return 0
@@ -30,7 +31,13 @@ class SM90:  # what JITFunction.run asks of a driver before it compiles
     def get_current_target(self): return GPUTarget("cuda", 90, 32)
 
 driver.set_active(SM90())
+_run = JITFunction.run
+def compile_only(self, *args, grid, warmup, **kwargs):  # no device to launch on here
+    return _run(self, *args, grid=grid, warmup=True, **kwargs)
+JITFunction.run = compile_only
+
 import ops.fused as F
+import ops.paged_attention as A
 from engine.kernel_compiles import CompilePool
 
 BUILDS = []
@@ -40,15 +47,21 @@ def counted_make_ir(*args, **kwargs):
     return _make_ir(*args, **kwargs)
 ASTSource.make_ir = counted_make_ir
 
-def compile_here(width):
-    # an RMSNorm variant of this row width compiled in this process, not launched: IR builds it took
-    x, w = torch.randn(4, width), torch.randn(width)
-    out = torch.empty_like(x)
+def builds(op):
+    # the kernels op launches, compiled (here, or found on disk) and not launched: IR builds it took here
     before = len(BUILDS)
-    block = 1 << (width - 1).bit_length()
-    F._rms_norm_kernel.run(x, w, out, width, 1e-6, *x.stride(), *out.stride(), BLOCK=block, grid=(4,), warmup=True,
-                           num_warps=F._num_warps(block))
+    op()
     return len(BUILDS) - before
+
+def rms_norm(width):
+    return lambda: F.rms_norm(torch.randn(4, width), torch.randn(width), 1e-6)
+
+def prefill_attention():  # 2 sequences of 5 and 3 tokens, blocks of 16, bfloat16 (dtype constexprs)
+    q = torch.randn(8, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 2, 16, 64, dtype=torch.bfloat16)
+    tables = torch.tensor([[0], [1]], dtype=torch.int32)
+    return lambda: A.paged_attention_prefill(q, cache, cache, tables, torch.tensor([0, 5, 8], dtype=torch.int32),
+                                             torch.tensor([5, 3], dtype=torch.int32), 0.125)
 
 def until_ready(pool, n):
     deadline = time.monotonic() + 120
@@ -76,13 +89,14 @@ def test_the_variants_a_dry_pass_meets_compile_in_workers_and_are_found_on_disk_
     out = run_child("""
         pool = CompilePool(2, start_now=True)
         until_ready(pool, 2)
-        with pool.ahead():  # two variants (row widths 64 and 200), one of them twice: no launch, two sent
-            for width in (64, 64, 200):
-                F.rms_norm(torch.randn(4, width), torch.randn(width), 1e-6)
-        assert (pool.sent, pool.failed) == (2, 0), (pool.sent, pool.failed)
-        assert len(BUILDS) == 0
-        assert compile_here(64) == 0 and compile_here(200) == 0  # on disk: no IR built here
-        assert compile_here(96) == 1  # a variant no worker compiled
+        with pool.ahead():  # three variants, one of them twice: RMSNorm at row widths 64 and 200, attention
+            for op in (rms_norm(64), rms_norm(64), rms_norm(200), prefill_attention()):
+                op()
+        assert (pool.sent, pool.failed, len(BUILDS)) == (3, 0, 0), (pool.sent, pool.failed, len(BUILDS))
+        F._rms_norm_kernel.device_caches.clear()  # forgotten here: compiled anew from the disk cache
+        A._prefill_kernel.device_caches.clear()
+        assert builds(rms_norm(64)) == 0 and builds(rms_norm(200)) == 0 and builds(prefill_attention()) == 0
+        assert builds(rms_norm(96)) == 1  # a variant no worker compiled
         pool.close()
         print("ok")
     """, tmp_path)
@@ -91,11 +105,11 @@ def test_the_variants_a_dry_pass_meets_compile_in_workers_and_are_found_on_disk_
 
 def test_a_variant_already_on_disk_compiles_here_and_starts_no_worker(tmp_path):
     out = run_child("""
-        assert compile_here(64) == 1
+        assert builds(rms_norm(64)) == 1
         F._rms_norm_kernel.device_caches.clear()  # forgotten by this process, still on disk
         pool = CompilePool(2)
         with pool.ahead():
-            built = compile_here(64)
+            built = builds(rms_norm(64))
         assert (built, pool.sent, pool.ready) == (0, 0, 0), (built, pool.sent, pool.ready)
         assert F._rms_norm_kernel.device_caches[0][0], "compiled here, in this process' cache"
         pool.close()
@@ -108,13 +122,13 @@ def test_launches_of_other_threads_and_after_the_block_compile_as_usual(tmp_path
     out = run_child("""
         pool = CompilePool(1, start_now=True)
         until_ready(pool, 1)
-        builds = []
+        in_thread = []
         with pool.ahead():
-            other = threading.Thread(target=lambda: builds.append(compile_here(64)))
+            other = threading.Thread(target=lambda: in_thread.append(builds(rms_norm(64))))
             other.start()
             other.join()
-        assert (builds, pool.sent) == ([1], 0), (builds, pool.sent)
-        assert compile_here(200) == 1 and pool.sent == 0
+        assert (in_thread, pool.sent) == ([1], 0), (in_thread, pool.sent)
+        assert builds(rms_norm(200)) == 1 and pool.sent == 0
         pool.close()
         print("ok")
     """, tmp_path)
@@ -128,19 +142,19 @@ def test_a_dead_worker_or_a_wait_that_runs_out_leaves_the_variants_to_their_laun
         pool._workers[0].kill()  # the only worker dies: what was sent to it fails, nothing waits for long
         start = time.monotonic()
         with pool.ahead():
-            F.rms_norm(torch.randn(4, 64), torch.randn(64), 1e-6)
+            rms_norm(64)()
         assert (pool.sent, pool.failed, pool.ready) == (1, 1, 0), (pool.sent, pool.failed, pool.ready)
         assert time.monotonic() - start < 60
-        assert compile_here(64) == 1  # compiled here at its launch
+        assert builds(rms_norm(64)) == 1  # compiled here at its launch
         pool.close()
 
         slow = CompilePool(1, timeout_s=0.0, start_now=True)  # no compilation is done in no time
         until_ready(slow, 1)
         with slow.ahead():
-            F.rms_norm(torch.randn(4, 200), torch.randn(200), 1e-6)
+            rms_norm(200)()
         assert slow.sent == 1 and all(w.poll() is not None for w in slow._workers), "stopped after the wait"
         with slow.ahead():  # a closed pool sends nothing: the variant compiles here
-            built = compile_here(96)
+            built = builds(rms_norm(96))
         assert (built, slow.sent) == (1, 1), (built, slow.sent)
         print("ok")
     """, tmp_path)
@@ -156,7 +170,8 @@ def test_a_cuda_start_up_with_an_empty_cache_compiles_the_graphs_kernels_in_work
         from engine import cuda_graphs, kernel_compiles
         from engine.engine import LLMEngine
 
-        driver.reset_active()  # the real CUDA driver here
+        driver.reset_active()  # the real CUDA driver here, and launches
+        JITFunction.run = _run
         pools, graph_builds = [], []
         made = kernel_compiles.CompilePool.__init__
         kernel_compiles.CompilePool.__init__ = lambda self, *a, **k: (pools.append(self), made(self, *a, **k))[1]
