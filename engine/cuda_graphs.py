@@ -225,8 +225,7 @@ class PiecewiseGraphs:
         if capture and compiles is not None:
             with compiles.ahead():
                 for size in self.buckets:
-                    for piece in range(self.num_pieces):
-                        self._piece(piece, size)
+                    self._pieces(size)
         if capture:
             self.graphs, pool = {}, None
             for size in reversed(self.buckets):  # largest first, so the smaller ones reuse its pool
@@ -236,8 +235,7 @@ class PiecewiseGraphs:
 
     def _capture(self, size: int, pool) -> tuple[list, object]:
         """The pieces' graphs at one bucket, in the pool (None: a new one) -> (graphs, the pool)."""
-        for piece in range(self.num_pieces):  # warm-up: compiles kernels, sizes the allocator outside the capture
-            self._piece(piece, size)
+        self._pieces(size)  # warm-up: compiles kernels, sizes the allocator outside the capture
         graphs = []
         for piece in range(self.num_pieces):
             graph = torch.cuda.CUDAGraph()
@@ -246,6 +244,11 @@ class PiecewiseGraphs:
             pool = pool or graph.pool()
             graphs.append(graph)
         return graphs, pool
+
+    def _pieces(self, size: int) -> None:
+        """Every piece at one bucket, eagerly."""
+        for piece in range(self.num_pieces):
+            self._piece(piece, size)
 
     @property
     def num_pieces(self) -> int:
