@@ -52,8 +52,8 @@ def start_compile_pool(device) -> "CompilePool | None":
         import triton
 
         cache = triton.knobs.cache.dir
-        return CompilePool(max(1, min(8, (os.cpu_count() or 2) // 2)), start_now=not (os.path.isdir(cache)
-                                                                                       and os.listdir(cache)))
+        empty = not (os.path.isdir(cache) and os.listdir(cache))
+        return CompilePool(max(1, min(8, (os.cpu_count() or 2) // 2)), start_now=empty)
     except (ImportError, AttributeError, RuntimeError, OSError) as err:
         log.warning("compile pool: not started (%s); kernels compile at their launches", err)
         return None
@@ -71,8 +71,8 @@ class CompilePool:
         if list(inspect.signature(jit.JITFunction._do_compile).parameters) != _DO_COMPILE_PARAMS:
             raise RuntimeError("this triton's JITFunction._do_compile has another signature")
         self.timeout_s = timeout_s
-        # workers ready; variants met that Triton's disk cache lacked, sent of them, failed in a worker
-        self.ready, self.missed, self.sent, self.failed, self.wait_s = 0, 0, 0, 0, 0.0
+        # workers ready; variants sent to them, failed there; seconds waited for them
+        self.ready, self.sent, self.failed, self.wait_s = 0, 0, 0, 0.0
         self._lock = threading.Lock()
         self._tasks: list[tuple[bytes, concurrent.futures.Future]] = []
         self._has_tasks = threading.Condition(self._lock)
@@ -99,11 +99,12 @@ class CompilePool:
     def ahead(self):
         """A dry pass: launches in this thread of variants not compiled here or on disk go to the workers and
         are skipped (their outputs stay unwritten); on leaving, waits for the workers (at most timeout_s)."""
+        from triton.runtime.jit import JITFunction
+
+        global _compile_here
         with _PATCH_LOCK:
             if not _DRY_PASSES:
-                _JIT[0] = importlib.import_module("triton.runtime.jit").JITFunction
-                _JIT[1] = _JIT[0]._do_compile
-                _JIT[0]._do_compile = _compile_or_send
+                _compile_here, JITFunction._do_compile = JITFunction._do_compile, _compile_or_send
             _DRY_PASSES[threading.get_ident()] = self
         try:
             yield self
@@ -111,7 +112,7 @@ class CompilePool:
             with _PATCH_LOCK:
                 del _DRY_PASSES[threading.get_ident()]
                 if not _DRY_PASSES:
-                    _JIT[0]._do_compile = _JIT[1]
+                    JITFunction._do_compile = _compile_here
         self._wait()
 
     def _send(self, fn, signature, device, constexprs, options, attrs) -> bool:
@@ -131,7 +132,6 @@ class CompilePool:
             return True
         if get_cache_manager(key).get_group(f"{src.name[:150]}.json") is not None:
             return False
-        self.missed += 1
         if not self._workers:
             try:
                 self._start_workers()
@@ -220,10 +220,9 @@ class CompilePool:
             worker.wait()
 
 
-# the dry passes under way, by thread, and Triton's JITFunction with its own _do_compile while any is
 _PATCH_LOCK = threading.Lock()
-_DRY_PASSES: dict[int, CompilePool] = {}
-_JIT: list = [None, None]
+_DRY_PASSES: dict[int, CompilePool] = {}  # the dry passes under way, by thread
+_compile_here = None  # JITFunction._do_compile as it was before the first of them
 
 
 def _compile_or_send(fn, key, signature, device, constexprs, options, attrs, warmup):
@@ -232,7 +231,7 @@ def _compile_or_send(fn, key, signature, device, constexprs, options, attrs, war
     pool = _DRY_PASSES.get(threading.get_ident())
     if pool is not None and pool._send(fn, signature, device, constexprs, options, attrs):
         return None
-    return _JIT[1](fn, key, signature, device, constexprs, options, attrs, warmup)
+    return _compile_here(fn, key, signature, device, constexprs, options, attrs, warmup)
 
 
 def compile_variant(task: bytes) -> None:
