@@ -192,7 +192,8 @@ class LLMEngine:
             future.result()
         spec = self.model.kv_cache_spec
         cascade = CascadePolicy.for_mode(cfg.cache.cascade_attention, self.device,
-                                         per_block // (self.block_size * spec.num_layers), self._prefix_pass(kv_dtype))
+                                         per_block // (self.block_size * spec.num_layers), self._prefix_pass(kv_dtype),
+                                         max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens, cascade is not None,
                                    cfg.scheduler.admission_headroom)
         self.num_scheduler_steps = cfg.scheduler.num_scheduler_steps or SCHEDULER_STEPS[self.device.type]

@@ -18,8 +18,11 @@ from ops.cascade import PrefixPass
 # (the buckets that get a cascade graph: fewer rows rarely pay for the op's extra kernels, and each graph costs
 # start-up).
 CASCADE_MIN_ROWS = 64
-# Sharing groups per step (those that save the most K/V reads). The graphs' static group buffers hold twice as
-# many.
+# Sharing groups per step (those that save the most K/V reads) where the engine's step size is not given; an
+# engine's policy takes as many as its max_num_seqs rows can hold (groups of >= 2 rows). The prefix pass walks a
+# work list of the groups' items, so a group costs its items, not a slot of its own; a cap of 32 left half of the
+# rollout's 64 groups of 16 samples at 1,024 rows reading their prompts once a row (benchmarks/NOTES.md, session
+# 41). The graphs' static group buffers hold twice as many.
 MAX_CASCADE_GROUPS = 32
 
 
@@ -88,14 +91,16 @@ class CascadePolicy:
 
     @classmethod
     def for_mode(cls, mode: str, device: torch.device, kv_bytes_per_token: int = 0,
-                 prefix_pass: PrefixPass | None = None) -> "CascadePolicy | None":
+                 prefix_pass: PrefixPass | None = None, max_num_seqs: int = 0) -> "CascadePolicy | None":
         """cache.cascade_attention: off never; on every group of >= 2 rows sharing >= 1 block (the CPU runs
-        the op's torch reference); auto only on CUDA, where STEP_COST predicts a gain. None: never."""
+        the op's torch reference); auto only on CUDA, where STEP_COST predicts a gain. None: never. At most
+        max_num_seqs // 2 groups a step (MAX_CASCADE_GROUPS where that is fewer or not given)."""
         if mode == "off" or (mode == "auto" and device.type != "cuda"):
             return None
+        max_groups = max(MAX_CASCADE_GROUPS, max_num_seqs // 2)
         if mode == "on":
-            return cls(2, 1, prefix_pass=prefix_pass)
-        return cls(2, 1, min_step_rows=CASCADE_MIN_ROWS, cost=STEP_COST,
+            return cls(2, 1, max_groups, prefix_pass=prefix_pass)
+        return cls(2, 1, max_groups, min_step_rows=CASCADE_MIN_ROWS, cost=STEP_COST,
                    kv_bytes_per_token=kv_bytes_per_token or STEP_COST.kv_bytes_per_token, prefix_pass=prefix_pass)
 
     @property

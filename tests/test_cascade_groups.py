@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.prefix_groups import CascadePolicy, StepCost, find_prefix_groups
+from engine.prefix_groups import MAX_CASCADE_GROUPS, CascadePolicy, StepCost, find_prefix_groups
 from ops.cascade import PrefixPass
 from ops.paged_attention_reference import check_cascade_groups
 
@@ -99,25 +99,35 @@ def test_policy_for_mode():
     auto = CascadePolicy.for_mode("auto", cuda, kv_bytes_per_token=1234)
     assert auto.min_rows >= 2 and auto.min_prefix_tokens >= 1 and auto.max_entries == 2 * auto.max_groups
     assert auto.cost is not None and auto.kv_bytes_per_token == 1234 and auto.min_step_rows >= 2
+    # groups of >= 2 rows: as many as an engine's rows can hold, MAX_CASCADE_GROUPS at least
+    for max_num_seqs, groups in ((0, MAX_CASCADE_GROUPS), (16, MAX_CASCADE_GROUPS), (1024, 512)):
+        for mode in ("on", "auto"):
+            assert CascadePolicy.for_mode(mode, cuda, max_num_seqs=max_num_seqs).max_groups == groups
 
 
-def test_measured_cost_takes_the_samples_of_a_rollout():
+@pytest.mark.parametrize("num_groups", [32, 64])
+def test_measured_cost_takes_the_samples_of_a_rollout(num_groups):
     """STEP_COST as measured, for Qwen3-0.6B's heads on the H200 (the prefix pass's tiles of 32 rows, 33
-    programs a kv head: ops.cascade.PrefixPass.of there): 512 decode rows in 32 groups of 16 samples sharing
-    1,024-token prompts, each with ~256 tokens of its own, take the cascade; 64 rows of 2 samples sharing 16
-    tokens do not."""
+    programs a kv head: ops.cascade.PrefixPass.of there): a full step of an engine of 16 x num_groups rows, in
+    num_groups groups of 16 samples sharing 1,024-token prompts, each with ~256 tokens of its own, takes every
+    group (a policy of MAX_CASCADE_GROUPS, the engine's size not given, only the first 32); 64 rows of 2
+    samples sharing 16 tokens take none."""
     h200 = PrefixPass(block_q=32, block_n=64, align=1, programs=33)
-    auto = CascadePolicy.for_mode("auto", torch.device("cuda"), 4096, h200)
+    auto = CascadePolicy.for_mode("auto", torch.device("cuda"), 4096, h200, max_num_seqs=16 * num_groups)
     block_size, prompt_blocks, own_blocks = 16, 64, 16
     tables, lens = [], []
-    for g in range(32):
+    for g in range(num_groups):
         for r in range(16):
             own = [10_000 + (g * 16 + r) * own_blocks + b for b in range(own_blocks)]
             tables.append([g * prompt_blocks + b for b in range(prompt_blocks)] + own)
             lens.append((prompt_blocks + own_blocks) * block_size - r)
-    found = find_prefix_groups(np.array(tables, dtype=np.int32), np.array(lens, dtype=np.int32), block_size, auto)
-    assert found is not None and found.shared_rows == 512 and len(found.group_prefix_lens) == 32
+    tables, lens = np.array(tables, dtype=np.int32), np.array(lens, dtype=np.int32)
+    found = find_prefix_groups(tables, lens, block_size, auto)
+    assert found is not None and found.shared_rows == 16 * num_groups and len(found.group_prefix_lens) == num_groups
     assert (found.group_prefix_lens == prompt_blocks * block_size).all()
+    unsized = find_prefix_groups(tables, lens, block_size, CascadePolicy.for_mode("auto", torch.device("cuda"), 4096,
+                                                                                   h200))
+    assert unsized.shared_rows == 16 * min(num_groups, MAX_CASCADE_GROUPS)
     pairs = [[p // 2 * 5, 1000 + p] for p in range(64)]  # rows 2k and 2k + 1 share one block
     assert find_prefix_groups(np.array(pairs, dtype=np.int32), np.full(64, 17, dtype=np.int32), 16, auto) is None
 
