@@ -178,3 +178,32 @@ def test_a_cuda_start_up_with_an_empty_cache_compiles_the_graphs_kernels_in_work
         assert pool.sent > 0 and pool.failed == 0, (pool.sent, pool.failed)
         assert graph_builds == [0], graph_builds
     """, tmp_path)
+
+
+def test_triton_compiles_as_before_once_every_dry_pass_has_ended_even_by_an_error(tmp_path):
+    """Two threads' dry passes overlap: Triton's compile stays redirected while either is under way, the
+    first one's error included, and is Triton's own again after the second ends."""
+    run_child("""
+        original = JITFunction._do_compile
+        first, second = CompilePool(1), CompilePool(1)
+        entered, leave = threading.Event(), threading.Event()
+
+        def other():
+            with second.ahead():
+                entered.set()
+                leave.wait(60)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert entered.wait(60)
+        try:
+            with first.ahead():
+                assert JITFunction._do_compile is not original
+                raise ValueError("inside the block")
+        except ValueError:
+            pass
+        assert JITFunction._do_compile is not original  # the other thread's pass is still under way
+        leave.set()
+        thread.join()
+        assert JITFunction._do_compile is original
+    """, tmp_path)
