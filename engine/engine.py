@@ -17,7 +17,7 @@ from engine.cuda_graphs import PIECE_MAX_TOKENS, bucket_sizes
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ConfigError, RequestError
 from engine.generation_config import read_generation_config, stop_ids
-from engine.kernel_compiles import CompilePool, start_compile_pool
+from engine.kernel_compiles import CompilePool, run_compiled_ahead, start_compile_pool
 from engine.kv_cache import PagedKVCache, bytes_per_block, cache_dtype, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
 from engine.models.loader import build_model, resolve_model_path
@@ -156,12 +156,9 @@ class LLMEngine:
         self.eos_token_ids = stop_ids(config_eos, self.generation_config)
         if self.device.type == "cpu":  # the hidden size decides, so after the checkpoint's config is read
             torch.set_num_threads(cpu_threads(cfg.model, self.model.arch.hidden_size))
-        if compiles is not None and self.model.arch.num_experts:  # its routing's indices are kernels' outputs
-            compiles.close()
-            compiles = None
         laps.lap("model")
         # the samplers' kernels compile while the tokenizer loads and the KV pool is sized
-        compiling = start_compiling_samplers(self.model.arch.vocab_size, self.dtype, self.device) \
+        compiling = start_compiling_samplers(self.model.arch.vocab_size, self.dtype, self.device, compiles) \
             if self.device.type == "cuda" else []
         self.tokenizer = load_tokenizer(cfg.model)
         if cfg.model.tokenizer and len(self.tokenizer) > self.model.arch.vocab_size:
@@ -216,7 +213,7 @@ class LLMEngine:
         self._fallbacks_reported = 0
         laps.lap("graphs")
         if self.device.type == "cuda":
-            self._warm_up()
+            self._warm_up(compiles)
         gc.collect()  # start-up's objects leave the young generations now, not in the first run's intake
         laps.lap("warm_up")
 
@@ -233,7 +230,7 @@ class LLMEngine:
         q_like = torch.empty(1, group * spec.num_kv_heads, spec.head_dim, dtype=self.dtype, device=self.device)
         return PrefixPass.of(q_like, key_cache_like)
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, compiles: CompilePool | None = None) -> None:
         """A small run of the real loop before the timed one: a prefill step at the full token budget,
         then one decode step at each of warm_up_batch_sizes (every decode graph's bucket and the size below
         it). Whatever is paid the first time a shape occurs (kernel compilation, cuBLAS's choice of
@@ -242,9 +239,9 @@ class LLMEngine:
         decode step of another size replays the same graphs and kernel variants (an eager one, under
         enforce_eager, may still meet cuBLAS's choice for its row count: ~84 us a matmul, NOTES session 7). The
         steps between (prefill chunks of other token counts) can pick launches of their own: the model
-        compiles those first (compile_launches)."""
+        compiles those first (compile_launches; with compiles, side by side first)."""
         if not self.parallel:  # a rank's share of the experts has a width of its own, which no table holds
-            self.model.compile_launches(self.scheduler.max_num_batched_tokens)
+            run_compiled_ahead(compiles, self.model.compile_launches, self.scheduler.max_num_batched_tokens)
         num_seqs = self.scheduler.max_num_seqs
         room = min(self.max_model_len, self.num_blocks * self.block_size // num_seqs)  # tokens per request
         prompt = max(1, min(self.scheduler.max_num_batched_tokens // num_seqs, room // 2))

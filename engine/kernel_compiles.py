@@ -1,19 +1,21 @@
 """Triton compilations ahead of the launches, side by side in worker processes (CompilePool).
 
 Triton compiles a kernel variant at its first launch, in the launching thread: a fresh machine's start-up
-compiled 33 variants in 17.8 s (benchmarks/NOTES.md, session 24), ~11 s of them the forward's, one after
-another in the KV pool's trial forward and the graph captures. A compilation holds the GIL for about two
-thirds of its time, so threads barely overlap them; processes do. Within CompilePool.ahead(), a dry pass of
-the forwards that are about to run (the same calls, eagerly) sends each variant that is neither compiled in
-this process nor in Triton's disk cache to a worker, which compiles it into that cache, and skips that
-launch; leaving the block waits for the workers. The real forwards then find every variant on disk.
+compiled 33 variants in 17.8 s (benchmarks/NOTES.md, session 24), one after another in the KV pool's trial
+step, the samplers' first draws and the graph captures. A compilation holds the GIL for about two thirds of
+its time, so threads barely overlap them; processes do. Within CompilePool.ahead() a thread makes a dry pass
+of calls that are about to run for real: its Triton launches launch nothing and only compile, each variant
+that is neither compiled in this process nor in Triton's disk cache in a worker, which compiles it into that
+cache; leaving the block waits for them. The real calls then find every variant on disk
+(run_compiled_ahead: a dry pass, then the call).
 
-What a dry pass may run: forwards whose skipped kernels only leave values unwritten (garbage in, garbage
-out), never indices that a later kernel or torch op follows (a dense decoder's are: its indices are the
-step's inputs). A variant that no worker can take yet (they import torch, triton and the kernels first,
-which the caller's own start-up overlaps), one a worker fails to compile, or one the dry pass did not meet,
-compiles at its launch as before; a wait longer than timeout_s stops the workers and leaves the rest to the
-launches.
+A dry pass launches no Triton kernel, so every output of one stays unwritten and the torch operations in
+between run on whatever is there: it may run code whose torch operations take no index from a kernel's
+output (a decoder's forward, dense or mixture of experts, and the samplers: their indices are the step's
+inputs, or pass from kernel to kernel). A variant that no worker can take yet (they import torch, triton and
+the kernels first, which the caller's own start-up overlaps), one a worker fails to compile, or one the dry
+pass did not meet, compiles at its launch as before; a wait longer than timeout_s stops the workers and
+leaves the rest to the launches.
 
 A worker is `python -m engine.kernel_compiles`: it imports the kernels' modules, says it is ready, then
 compiles the tasks it reads from stdin (pickles) and answers each on stdout. Not multiprocessing: its spawn
@@ -76,7 +78,7 @@ class CompilePool:
         self._lock = threading.Lock()
         self._tasks: list[tuple[bytes, concurrent.futures.Future]] = []
         self._has_tasks = threading.Condition(self._lock)
-        self._futures: dict[str, concurrent.futures.Future] = {}
+        self._sent: dict[str, concurrent.futures.Future] = {}  # by Triton's cache key
         self._closed = False
         self.num_workers, self._workers = workers, []
         if start_now:
@@ -97,26 +99,31 @@ class CompilePool:
 
     @contextlib.contextmanager
     def ahead(self):
-        """A dry pass: launches in this thread of variants not compiled here or on disk go to the workers and
-        are skipped (their outputs stay unwritten); on leaving, waits for the workers (at most timeout_s)."""
+        """A dry pass in this thread: its Triton launches launch nothing (their outputs stay unwritten) and only
+        compile, a variant neither here nor on disk in a worker; on leaving, waits for the variants it sent (at
+        most timeout_s). Not nested in a thread."""
         from triton.runtime.jit import JITFunction
 
-        global _compile_here
+        waiting: list[concurrent.futures.Future] = []
         with _PATCH_LOCK:
+            if threading.get_ident() in _DRY_PASSES:
+                raise RuntimeError("a dry pass is already under way in this thread")
             if not _DRY_PASSES:
-                _compile_here, JITFunction._do_compile = JITFunction._do_compile, _compile_or_send
-            _DRY_PASSES[threading.get_ident()] = self
+                _TRITONS.update(run=JITFunction.run, do_compile=JITFunction._do_compile)
+                JITFunction.run, JITFunction._do_compile = _compile_only, _compile_or_send
+            _DRY_PASSES[threading.get_ident()] = self, waiting
         try:
             yield self
         finally:
             with _PATCH_LOCK:
                 del _DRY_PASSES[threading.get_ident()]
                 if not _DRY_PASSES:
-                    JITFunction._do_compile = _compile_here
-        self._wait()
+                    JITFunction.run, JITFunction._do_compile = _TRITONS["run"], _TRITONS["do_compile"]
+        self._wait(waiting)
 
-    def _send(self, fn, signature, device, constexprs, options, attrs) -> bool:
-        """Queues a variant that Triton's disk cache lacks for a worker (once); False: compile it here."""
+    def _send(self, waiting: list, fn, signature, device, constexprs, options, attrs) -> bool:
+        """Queues a variant that Triton's disk cache lacks for a worker (once, whichever thread meets it first)
+        and adds it to waiting; False: compile it here."""
         from triton.compiler.compiler import get_cache_invalidating_env_vars
         from triton.runtime.cache import get_cache_key, get_cache_manager
 
@@ -128,32 +135,41 @@ class CompilePool:
         parsed = backend.parse_options(dict(options.__dict__, **src.parse_options()))
         key = get_cache_key(src, backend, parsed, get_cache_invalidating_env_vars())
         key = hashlib.sha256(key.encode()).hexdigest()
-        if key in self._futures:
-            return True
-        if get_cache_manager(key).get_group(f"{src.name[:150]}.json") is not None:
-            return False
+        with self._lock:
+            future = self._sent.get(key)
+            if future is None:
+                if get_cache_manager(key).get_group(f"{src.name[:150]}.json") is not None:
+                    return False
+                future = self._queue(src, fn, signature, constexprs, attrs, target, options)
+                if future is None:
+                    return False
+                self._sent[key] = future
+        waiting.append(future)
+        return True
+
+    def _queue(self, src, fn, signature, constexprs, attrs, target, options) -> concurrent.futures.Future | None:
+        """A variant's task queued for the workers, started first if need be (the caller holds the lock); None
+        where none can take it: the workers still import, cannot start, or the task does not pickle."""
         if not self._workers:
             try:
                 self._start_workers()
             except OSError as err:
                 log.warning("compile pool: no worker started (%s); kernels compile at their launches", err)
                 self._closed = True
-                return False
-        if self.ready == 0:  # the workers still import: this one compiles here
-            return False
+                return None
+        if self.ready == 0:
+            return None
         try:
             task = pickle.dumps((type(src), fn.fn.__module__, fn.fn.__qualname__, signature, constexprs, attrs,
                                  target, options.__dict__))
-        except Exception as err:  # a constexpr that does not pickle: compile it here
+        except Exception as err:  # a constexpr that does not pickle
             log.debug("compile pool: %s compiles in this process (%s)", fn.fn.__qualname__, err)
-            return False
+            return None
         future = concurrent.futures.Future()
-        with self._has_tasks:
-            self._tasks.append((task, future))
-            self._has_tasks.notify()
-        self._futures[key] = future
+        self._tasks.append((task, future))
+        self._has_tasks.notify()
         self.sent += 1
-        return True
+        return future
 
     def _serve(self, worker: subprocess.Popen) -> None:
         """A worker's thread: waits for it to be ready, then hands it tasks one at a time until close()."""
@@ -186,12 +202,11 @@ class CompilePool:
             else:
                 future.set_exception(RuntimeError(error))
 
-    def _wait(self) -> None:
-        """Waits for the variants sent (at most timeout_s); a failed one is left to its launch, and a wait that
-        runs out stops the workers (close)."""
+    def _wait(self, futures: list[concurrent.futures.Future]) -> None:
+        """Waits for these variants (at most timeout_s); a failed one is left to its launch, and a wait that runs
+        out stops the workers (close)."""
         start = time.perf_counter()
-        futures, self._futures = self._futures, {}
-        done, late = concurrent.futures.wait(futures.values(), timeout=self.timeout_s)
+        done, late = concurrent.futures.wait(set(futures), timeout=self.timeout_s)
         for future in done:
             if future.exception() is not None:
                 self.failed += 1
@@ -221,17 +236,30 @@ class CompilePool:
 
 
 _PATCH_LOCK = threading.Lock()
-_DRY_PASSES: dict[int, CompilePool] = {}  # the dry passes under way, by thread
-_compile_here = None  # JITFunction._do_compile as it was before the first of them
+_DRY_PASSES: dict[int, tuple[CompilePool, list]] = {}  # by thread: its pool and the variants it waits for
+_TRITONS: dict = {}  # JITFunction's own run and _do_compile, while a dry pass is under way
+
+
+def run_compiled_ahead(compiles: CompilePool | None, call, *args):
+    """call(*args), after a dry pass of it where there is a pool: its kernels compiled side by side first."""
+    if compiles is not None:
+        with compiles.ahead():
+            call(*args)
+    return call(*args)
+
+
+def _compile_only(fn, *args, grid, warmup, **kwargs):
+    """JITFunction.run during dry passes: in a dry pass's thread it compiles and launches nothing (as warmup)."""
+    return _TRITONS["run"](fn, *args, grid=grid, warmup=warmup or threading.get_ident() in _DRY_PASSES, **kwargs)
 
 
 def _compile_or_send(fn, key, signature, device, constexprs, options, attrs, warmup):
     """JITFunction._do_compile during dry passes: a variant that the calling thread's pool sends to a worker
-    is not compiled here, and JITFunction.run launches nothing then (None); any other compiles here."""
-    pool = _DRY_PASSES.get(threading.get_ident())
-    if pool is not None and pool._send(fn, signature, device, constexprs, options, attrs):
+    is not compiled here (None); any other compiles here."""
+    entry = _DRY_PASSES.get(threading.get_ident())
+    if entry is not None and entry[0]._send(entry[1], fn, signature, device, constexprs, options, attrs):
         return None
-    return _compile_here(fn, key, signature, device, constexprs, options, attrs, warmup)
+    return _TRITONS["do_compile"](fn, key, signature, device, constexprs, options, attrs, warmup)
 
 
 def compile_variant(task: bytes) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 import ops
+from engine.kernel_compiles import CompilePool, run_compiled_ahead
 from engine.sequence import SamplingParams, Sequence, Status
 from engine.staging import aligned_rows, upload, upload_all
 from engine.structured import bitmask_words
@@ -131,18 +132,21 @@ def draw(logits: torch.Tensor, t: SamplingTensors, fallbacks: torch.Tensor | Non
                                   fallbacks=fallbacks)
 
 
-def start_compiling_samplers(vocab_size: int, dtype: torch.dtype, device) -> list[concurrent.futures.Future]:
+def start_compiling_samplers(vocab_size: int, dtype: torch.dtype, device,
+                             compiles: CompilePool | None = None) -> list[concurrent.futures.Future]:
     """On CUDA: draws once through each sampler (plain, and with truncation), takes MAX_LOGPROBS logprobs and
     applies a structured-output mask, for each logits dtype they can be handed (the model's; float32 once a
     row has a penalty), each case on a thread of its own; returns at once, its Futures done when the cases
     are. Triton compiles a kernel at its first call, which inside a run stalls it (a top-p run's first step
     took 3.7 s on the H200, a constrained run's 0.47 s: benchmarks/NOTES.md); a compilation spends part of
     its time without the GIL (ptxas, LLVM), so the cases compile side by side and beside the caller's own
-    work. Wait for them before a CUDA graph capture, during which no other thread may use the device."""
+    work, with compiles in its worker processes first (a dry pass of each case). Wait for them before a CUDA
+    graph capture, during which no other thread may use the device."""
     plain, truncated = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05)
     cases = [(logits_dtype, params) for logits_dtype in {dtype, torch.float32} for params in (plain, truncated, None)]
     pool = concurrent.futures.ThreadPoolExecutor(len(cases), thread_name_prefix="compile-samplers")
-    futures = [pool.submit(_draw_once, vocab_size, logits_dtype, params, device) for logits_dtype, params in cases]
+    futures = [pool.submit(run_compiled_ahead, compiles, _draw_once, vocab_size, logits_dtype, params, device)
+               for logits_dtype, params in cases]
     pool.shutdown(wait=False)  # its threads end with their case
     return futures
 

@@ -207,3 +207,26 @@ def test_triton_compiles_as_before_once_every_dry_pass_has_ended_even_by_an_erro
         thread.join()
         assert JITFunction._do_compile is original
     """, tmp_path)
+
+
+def test_a_dry_pass_launches_nothing_even_where_it_compiles_here(tmp_path):
+    """With Triton's own launching run (the stand-in driver cannot launch: a launch would raise), a dry pass
+    whose workers have only just started compiles a missing variant in this process and launches it not, nor
+    a variant compiled before; run_compiled_ahead's real call after its dry pass is a launch."""
+    run_child("""
+        from engine.kernel_compiles import run_compiled_ahead
+
+        assert builds(rms_norm(64)) == 1
+        JITFunction.run = _run  # launches from here on
+        pool = CompilePool(1)  # no worker started: a variant missing from disk compiles here
+        with pool.ahead():
+            built = builds(rms_norm(200)) + builds(rms_norm(64))
+        assert (built, pool.sent) == (1, 0), (built, pool.sent)
+        try:
+            run_compiled_ahead(pool, rms_norm(96))
+        except Exception as err:  # the real call launched, which the stand-in driver cannot
+            assert "launcher_cls" in str(err), err
+        else:
+            raise AssertionError("the call after the dry pass did not launch")
+        pool.close()
+    """, tmp_path)
