@@ -40,7 +40,9 @@ log = logging.getLogger("minipaged")
 
 WORKER_IMPORTS = ("ops.fused", "ops.paged_attention", "ops.cascade", "ops.sampling")  # torch, triton, the kernels
 COMPILE_TIMEOUT_S = 300.0
-_DO_COMPILE_PARAMS = ["self", "key", "signature", "device", "constexprs", "options", "attrs", "warmup"]
+# the parameters of the JITFunction methods a dry pass stands in for (Triton 3.6 to 3.9)
+_TRITON_PARAMS = {"run": ["self", "args", "grid", "warmup", "kwargs"],
+                  "_do_compile": ["self", "key", "signature", "device", "constexprs", "options", "attrs", "warmup"]}
 
 
 def start_compile_pool(device) -> "CompilePool | None":
@@ -70,8 +72,9 @@ class CompilePool:
     def __init__(self, workers: int, timeout_s: float = COMPILE_TIMEOUT_S, start_now: bool = False):
         import triton.runtime.jit as jit
 
-        if list(inspect.signature(jit.JITFunction._do_compile).parameters) != _DO_COMPILE_PARAMS:
-            raise RuntimeError("this triton's JITFunction._do_compile has another signature")
+        for name, params in _TRITON_PARAMS.items():
+            if list(inspect.signature(getattr(jit.JITFunction, name)).parameters) != params:
+                raise RuntimeError(f"this triton's JITFunction.{name} has another signature")
         self.timeout_s = timeout_s
         # workers ready; variants sent to them, failed there; seconds waited for them
         self.ready, self.sent, self.failed, self.wait_s = 0, 0, 0, 0.0
