@@ -75,11 +75,12 @@ def main() -> None:
         compile_six(args.child, args.workers)
         return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     for _ in range(args.rounds):
         for mode in ("serial", "pool"):
             with tempfile.TemporaryDirectory() as cache:
                 out = subprocess.run([sys.executable, __file__, "--child", mode, "--workers", str(args.workers)],
-                                     env={**env, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)},
+                                     env={**env, "TRITON_CACHE_DIR": cache},
                                      capture_output=True, text=True, check=True)
                 print(out.stdout.strip())
 

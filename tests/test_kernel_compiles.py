@@ -74,7 +74,8 @@ def until_ready(pool, n):
 def run_child(body: str, tmp_path: Path) -> None:
     """Runs PRELUDE then body in a child process; its assertions are the test's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body) + "\nprint('passed')"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.split()[-1:] == ["passed"], result.stderr[-4000:]
