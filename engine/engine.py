@@ -144,8 +144,9 @@ class LLMEngine:
 
     def _start(self, laps: Laps, compiles: CompilePool | None, reasoning_parser: str | None,
                max_sequences: int | None) -> None:
-        """__init__'s phases (see there), each closed by a lap; compiles: a pool for the kernels that the KV
-        pool's trial forward and the graphs' captures launch, None: each compiles at its launch."""
+        """__init__'s phases (see there), each closed by a lap; compiles: where the kernels of the KV pool's trial
+        step, the samplers' first draws, the graphs' captures and the experts' launches compile side by side
+        first (engine/kernel_compiles.py), None: each at its launch."""
         cfg = self.cfg
         if self.parallel:  # its ranks' shares, the workers started (engine/parallel.py)
             self.model = build_parallel_model(cfg.model, self.device, self.dtype, cfg.scheduler.step_timeout_s)
