@@ -1,5 +1,5 @@
-"""engine/kernel_compiles.py: a dry pass sends the kernel variants that neither this process nor Triton's disk
-cache holds to worker processes, skips their launches, and the launches after find them on disk.
+"""engine/kernel_compiles.py: a dry pass launches no kernel and sends the variants that neither this process nor
+Triton's disk cache holds to worker processes; the launches after it find them on disk.
 
 Each test runs in a child process of its own: no Triton interpreter there (tests/conftest.py sets it for
 this one), an empty TRITON_CACHE_DIR, and a stand-in driver whose target is an H100/H200 (sm_90), so that
