@@ -246,18 +246,18 @@ class Scheduler:
         free_slots = self.max_num_seqs - len(self.running)
         if self.running and free_slots < min(self.admission_batch, len(self.waiting)):
             return hits, admitted
-        reserved = None if self.admission_headroom else 0  # the running rows' headroom: summed once it can matter
+        reserved = None  # the running rows' headroom, summed once the first in line fits without it
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = manager.cached_prefix(seq, seq.held_samples)
-            if reserved is None:  # a pool too full for the first in line alone skips the pass over the running rows
-                if not manager.can_admit(seq.num_tokens, prefix):
-                    break
-                reserved = self._headroom_blocks()
-            growth = self._growth_blocks(seq) if self.admission_headroom else 0
-            if not manager.can_admit(seq.num_tokens, prefix, reserved + growth if self.running else 0):
+            if not manager.can_admit(seq.num_tokens, prefix):
                 break
-            reserved += growth
+            if self.admission_headroom:
+                reserved = self._headroom_blocks() if reserved is None else reserved
+                growth = self._growth_blocks(seq)
+                if self.running and not manager.can_admit(seq.num_tokens, prefix, reserved + growth):
+                    break
+                reserved += growth
             seq.block_state = manager.create_sequence(seq.seq_id, prefix)
             hits += seq.num_computed_tokens
             admitted += seq.num_tokens
