@@ -30,6 +30,7 @@ def log_to_files(level: int, message: str) -> None:
 
 
 try:  # Ctrl-C while Python imports Hydra is start-up too
+    import atexit
     import dataclasses
     import gc
     import json
@@ -195,6 +196,8 @@ def warn_escaped_newlines(sampling_cfg) -> None:
 
 
 def main() -> None:
+    atexit.unregister(quiet_teardown)  # once per process, however often main runs in it
+    atexit.register(quiet_teardown)
     try:
         check_overrides(sys.argv[1:])
         run_job()
@@ -211,6 +214,18 @@ def main() -> None:
         # of a tiny job's 0.7 s exit, for nothing: the work is done and its files are closed. Frozen objects
         # are out of the collector's reach; atexit handlers still run, and the OS takes the memory back.
         gc.freeze()
+
+
+def quiet_teardown() -> None:
+    """The console's last line is the job's: frozen objects are never freed, so a module built with nanobind
+    (Triton 3.9's libtriton) would list each object of its own still alive as leaked, ~30 lines, when the
+    interpreter tears it down after the atexit handlers. Registered as main starts, this runs after the
+    handlers that the job registers (atexit runs the last registered first)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stderr.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":
