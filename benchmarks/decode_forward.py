@@ -8,7 +8,10 @@ the Qwen3-0.6B shape, with metadata built here rather than by the scheduler, to 
               half's latency-bound kernels beside the other's attention)
   write       1-256 rows with and without the rope/K-V write kernel (q passed through unrotated, nothing
               written: wrong outputs, right timing): the most that fusing it into attention could save
-Usage: python3 benchmarks/decode_forward.py [lengths] [placement] [streams] [write]   (default: all four)
+  carveout    streams' halves again with cuBLAS held to fewer SMs (torch's SM carveout), so that one half's
+              matmuls compute on part of the device while the other half's attention reads K/V on the rest
+Usage: [MODEL=qwen3-8b] python3 benchmarks/decode_forward.py [lengths] [placement] [streams] [write] [carveout]
+(default: all five)
 Results and reasoning: benchmarks/NOTES.md, sessions 12 and 13.
 """
 import sys
@@ -76,9 +79,9 @@ def placement(b: Bench) -> None:
           flush=True)
 
 
-def streams(b: Bench) -> None:
+def streams(b: Bench, cases=((256, 1024, 1024), (256, 100, 2000), (128, 100, 2000)), label="") -> None:
     rng = np.random.default_rng(0)
-    for n, lo, hi in [(256, 1024, 1024), (256, 100, 2000), (128, 100, 2000)]:
+    for n, lo, hi in cases:
         lens = rng.integers(lo, hi + 1, n)
         tables = b.contiguous(lens)
         ids = torch.randint(0, 1000, (n,), device=b.device)
@@ -103,8 +106,20 @@ def streams(b: Bench) -> None:
 
         whole = bench(lambda: b.model(ids, positions, b.kv, meta), graph=True)
         serial, overlapped = bench(one_after_the_other, graph=True), bench(side_by_side, graph=True)
-        print(f"{n} rows, {lo}-{hi}: whole {whole:.3f} ms, halves one after the other {serial:.3f} ms, "
-              f"halves on two streams {overlapped:.3f} ms", flush=True)
+        print(f"{label}{n} rows, {lo}-{hi}: whole {whole:.3f} ms, halves one after the other {serial:.3f} ms, "
+              f"halves on two streams {overlapped:.3f} ms (K/V at copy speed {b.floor_ms(lens):.2f})", flush=True)
+
+
+def carveout(b: Bench) -> None:
+    """Session 36 found two streams overlap nothing at 256 rows: the decode kernel's grid takes every SM. cuBLAS
+    held to (SMs - carveout) leaves the rest to the other stream's attention."""
+    sms = torch.cuda.get_device_properties(b.device).multi_processor_count
+    try:
+        for carve in (0, sms // 8, sms // 4, sms // 2):
+            torch._C._set_sm_carveout_experimental(carve)
+            streams(b, ((256, 100, 2000), (256, 1024, 1024)), f"cuBLAS on {sms - carve} of {sms} SMs: ")
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
 
 
 def write(b: Bench) -> None:
@@ -124,7 +139,7 @@ def write(b: Bench) -> None:
 
 
 if __name__ == "__main__":
-    questions = {"lengths": lengths, "placement": placement, "streams": streams, "write": write}
+    questions = {"lengths": lengths, "placement": placement, "streams": streams, "write": write, "carveout": carveout}
     b = Bench()
     with torch.inference_mode():
         for name in sys.argv[1:] or list(questions):
