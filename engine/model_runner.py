@@ -180,6 +180,7 @@ class ModelRunner:
         if any(s.constraint is not None for s in drawing):
             masks = self._start_masks(drawing, output_index, previous, previous_tokens, step)
 
+        @torch.inference_mode()  # it may run after launch returns (InFlight.drawn), on launch's tensors
         def sample() -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
             drawn_from = processed if masks is None else self._masked(processed, logits, step, *masks)
             inputs = StepInputs(step, batch, starts, drawing, drawn_from, params, recorded_event(self.device))

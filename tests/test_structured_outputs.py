@@ -86,6 +86,42 @@ def test_greedy_constrained_outputs_match_transformers(llm, qwen3_checkpoint, pa
             assert out.outputs[0].text in params.choice
 
 
+class OutputPenalties(LogitsProcessor):
+    """vLLM's presence and frequency penalties by their formula, over the tokens generated so far."""
+
+    def __init__(self, presence: float, frequency: float):
+        self.presence, self.frequency, self.prompt_len = presence, frequency, None
+
+    def __call__(self, input_ids, scores):
+        self.prompt_len = input_ids.shape[1] if self.prompt_len is None else self.prompt_len
+        counts = torch.bincount(input_ids[0, self.prompt_len:], minlength=scores.shape[-1]).to(scores.dtype)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.5}, {"presence_penalty": 1.5, "frequency_penalty": 0.5}])
+def test_constrained_rows_beside_penalised_rows(llm, qwen3_checkpoint, penalty):
+    """A constraint and a penalty on one row, and a penalty on a row without one, in one batch (the mask went
+    onto the penalised logits outside inference mode, which failed on the CPU): greedy, each row token for
+    token transformers' with the same penalty (its own for repetition, the formula above for presence and
+    frequency) and, for the first, the grammar's mask."""
+    path, hf_model = qwen3_checkpoint
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    regex = r"[a-z]{3,30}"
+    prompts = [[5, 17, 99, 3, 5, 17], [120, 7, 120, 7]]
+    params = [SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(regex=regex), **penalty),
+              SamplingParams(max_tokens=12, ignore_eos=True, **penalty)]
+    outs = llm.generate(prompts, params)
+    repetition = {"repetition_penalty": penalty["repetition_penalty"]} if "repetition_penalty" in penalty else {}
+    for prompt, p, out, grammar in zip(prompts, params, outs, [llguidance.LLMatcher.grammar_from_regex(regex), None]):
+        processors = [] if repetition else [OutputPenalties(penalty["presence_penalty"], penalty["frequency_penalty"])]
+        processors += [GrammarLogits(grammar, tokenizer, hf_model.config.vocab_size)] if grammar else []
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=p.max_tokens, min_new_tokens=0 if grammar
+                                     else p.max_tokens, do_sample=False, logits_processor=LogitsProcessorList(processors),
+                                     **repetition)[0, len(prompt):].tolist()
+        ours = out.outputs[0].token_ids
+        assert ours == expected[:len(ours)] and expected[len(ours):] in ([], [tokenizer.eos_token_id]), (prompt, expected)
+
+
 def test_json_outputs_validate_in_a_mixed_batch(llm):
     """Four schemas, rows without a constraint and n = 3 samples, sampled with several seeds: every
     constrained output that finished is a document of its schema."""
