@@ -473,6 +473,27 @@ class LLMEngine:
             seq.output_text = seq.detokenizer.text[:end]
         return found is not None
 
+    def abort_all(self) -> None:
+        """Drop every request (a run interrupted or abandoned): the step in flight, whose tokens nobody will
+        take; every sequence and its blocks; and the prefix cache, whose newest blocks a step stopped before
+        its launch never wrote. The engine can run new requests afterwards."""
+        self._in_flight = None
+        self.scheduler.abort_all()
+        self.block_manager.reset_prefix_cache()
+        if not self.block_manager.invariants_ok():  # stopped inside the block manager itself: not to be trusted
+            self.close()
+            raise RuntimeError("the KV pool could not be restored after the run was stopped; the LLM is closed: "
+                               "make a new one")
+
+    @property
+    def has_work(self) -> bool:
+        """Requests queued or running, or a step's tokens still to take."""
+        return self.scheduler.has_work() or self._in_flight is not None
+
+    @property
+    def closed(self) -> bool:
+        return self.runner is None
+
     def close(self) -> None:
         """Free the KV cache and the CUDA graphs, and stop the grammar compiler's threads; the engine cannot
         step afterwards."""
@@ -486,7 +507,7 @@ class LLMEngine:
 
     def run(self) -> Iterator[Sequence]:
         """Step until every queued request has finished, yielding each as it finishes."""
-        while self.scheduler.has_work() or self._in_flight:
+        while self.has_work:
             yield from self.step()
         fallbacks = self.sampler_fallbacks
         if fallbacks > self._fallbacks_reported:

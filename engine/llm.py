@@ -42,10 +42,15 @@ DICT_PROMPTS = {"prompt": (str, "a string"), "prompt_token_ids": ((list, tuple),
 PROMPT_KINDS = "a string, a list of token ids, or a dict with 'prompt' (a string) or 'prompt_token_ids'"
 
 
+STREAM_SUPERSEDED = ("this stream has stopped: a later generate, chat or stream call on the same LLM took the "
+                     "engine (one runs at a time), and the requests it had in flight were dropped")
+
+
 @dataclass
 class Request:
     """One request for LLM.stream: a text prompt, token ids or a conversation (messages, chat template
-    applied when admitted). `error`: known unusable before admission (it is passed through as the result)."""
+    applied when admitted; prompt may hold the text it was made from, which the result reports). `error`:
+    known unusable before admission (it is passed through as the result)."""
     request_id: Any
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
@@ -121,7 +126,7 @@ class LLM:
         self.default_sampling = resolve_sampling(cfg.sampling, self.engine.generation_config)
         check_run_sampling(self.engine, self.default_sampling)
         self._outputs = OutputProcessor(self.tokenizer, self.engine.reasoning_parser)
-        self._abandoned = False  # a stream was left before its end: its requests are still in the engine
+        self._stream: object | None = None  # the stream whose requests are in the engine (one at a time)
 
     # -- what a run needs to know of the engine ------------------------------------------------------
     @property
@@ -226,24 +231,41 @@ class LLM:
         """Queue each checked request (an error result for one that cannot run) while fewer than `window`
         are in the engine and the scheduler is not saturated, stepping it meanwhile, so the intake
         overlaps the device's steps; yield the outputs as their requests finish."""
+        if self.engine.closed:
+            raise RuntimeError("this LLM is closed: make a new one")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a whole number >= 1, got {window!r}")
         window = window or 2 * self.engine.scheduler.max_num_seqs
-        if self._abandoned:  # finish what an abandoned stream left queued; its results are dropped
-            for _ in self.engine.run():
-                pass
-            self._outputs.clear()
-        self._abandoned = True
+        self._drop_stream()  # one left before its end, or still open around this call: its requests go
+        stream = self._stream = object()
         self.engine.stats.restart_clock()  # time the generate loop, not the set-up before it
-        with frozen_heap():
-            for n, (request, token_ids, error) in enumerate(checked):
-                if error:
-                    yield RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=error)
-                    continue
-                self.engine.add_request(str(n), token_ids, self._sampling(request))
-                self._outputs.expect(str(n), request.request_id, request.prompt)
-                while self._outputs.num_pending >= window or self.engine.scheduler.is_saturated():
-                    yield from self._outputs.outputs(self.engine.step())
-            yield from self._outputs.outputs(self.engine.run())
-            self._abandoned = False
+        try:
+            with frozen_heap():
+                for output in self._outputs_of(checked, window):
+                    yield output
+                    if self._stream is not stream:
+                        raise RuntimeError(STREAM_SUPERSEDED)
+        finally:  # the end, an error, an interrupt, or the caller closing the stream
+            if self._stream is stream:
+                self._drop_stream()
+
+    def _outputs_of(self, checked, window: int) -> Iterator[RequestOutput]:
+        for n, (request, token_ids, error) in enumerate(checked):
+            if error:
+                yield RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=error)
+                continue
+            self.engine.add_request(str(n), token_ids, self._sampling(request))
+            self._outputs.expect(str(n), request.request_id, request.prompt)
+            while self._outputs.num_pending >= window or self.engine.scheduler.is_saturated():
+                yield from self._outputs.outputs(self.engine.step())
+        yield from self._outputs.outputs(self.engine.run())
+
+    def _drop_stream(self) -> None:
+        """Abort whatever the current stream left in the engine (nothing once it has ended)."""
+        if self._stream is not None and not self.engine.closed and self.engine.has_work:
+            self.engine.abort_all()
+        self._outputs.clear()
+        self._stream = None
 
     def _checked(self, request: Request, chat_template_kwargs) -> tuple[Request, list[int] | None, str | None]:
         """(request, its prompt's token ids, None) when it can run, else (request, None, why not): the one
@@ -251,6 +273,7 @@ class LLM:
         try:
             if request.error:
                 raise RequestError(request.error)
+            check_request_fields(request)
             token_ids, sampling = self._token_ids(request, chat_template_kwargs), self._sampling(request)
             self.engine.check_request(len(token_ids), sampling)
             if sampling.structured_outputs is not None:
@@ -308,6 +331,22 @@ def check_run_sampling(engine: LLMEngine, sampling: SamplingParams) -> None:
 
 def _is_token_id(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_request_fields(request: Request) -> None:
+    """RequestError naming the field when a Request's fields are of the wrong kind: prompt a string,
+    prompt_token_ids a list that comes alone (a conversation may carry the prompt text it was made from, which
+    its result reports), sampling_params a SamplingParams or None."""
+    if request.prompt_token_ids is not None and (request.prompt is not None or request.messages is not None):
+        other = "prompt" if request.prompt is not None else "messages"
+        raise RequestError(f"a request takes prompt_token_ids or {other}, not both")
+    if request.prompt is not None and not isinstance(request.prompt, str):
+        raise RequestError(f"prompt must be a string, got {request.prompt!r}")
+    if request.prompt_token_ids is not None and not isinstance(request.prompt_token_ids, (list, tuple)):
+        raise RequestError(f"prompt_token_ids must be a list of token ids, got {request.prompt_token_ids!r}")
+    if request.sampling_params is not None and not isinstance(request.sampling_params, SamplingParams):
+        raise RequestError(f"sampling_params must be a SamplingParams or None, got "
+                           f"{type(request.sampling_params).__name__}")
 
 
 def _is_one_prompt(prompts) -> bool:

@@ -304,5 +304,17 @@ class Scheduler:
         seq.status, seq.block_state, seq.finish_reason = Status.FINISHED, None, reason
 
 
+    def abort_all(self) -> None:
+        """Retire every queued and running sequence (finish_reason "abort") and free every sequence's blocks,
+        whatever step was stopped half-way: the block manager's sequences are released, not the running
+        list's, which such a step may have left out of step with them."""
+        for seq in (*self.running, *self.waiting):
+            seq.status, seq.block_state, seq.finish_reason = Status.FINISHED, None, "abort"
+        self.running.clear()
+        self.waiting.clear()
+        for seq_id in list(self.block_manager.sequences):
+            self.block_manager.release_sequence(seq_id)
+
+
 def _concat(slots: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int32)

@@ -245,6 +245,73 @@ def test_a_stream_left_half_way_does_not_leak_into_the_next(tiny):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
 
 
+@pytest.mark.parametrize("stop_at", [1, 2, 5])
+def test_an_interrupted_generate_leaves_the_llm_as_new(tiny, monkeypatch, stop_at):
+    """Ctrl-C (or any error) at the N-th step's launch, after the scheduler has taken its slots: the next call
+    runs on a whole pool (every block free, no sequence left) and gives the outputs it gave before."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in tiny.generate(["one", "two", "three"], params)]
+    launch, calls = tiny.engine.runner.launch, 0
+
+    def interrupted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == stop_at:
+            raise KeyboardInterrupt
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(tiny.engine.runner, "launch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tiny.generate([f"stopped {i}" for i in range(8)], SamplingParams(max_tokens=20, ignore_eos=True))
+    manager = tiny.engine.block_manager
+    assert not tiny.engine.has_work and manager.sequences == {} and manager.invariants_ok()
+    assert len(manager.free_blocks) == manager.num_physical_blocks
+    assert [o.outputs[0].token_ids for o in tiny.generate(["one", "two", "three"], params)] == expected
+
+
+def test_a_call_inside_a_stream_ends_that_stream_with_an_error(tiny):
+    """One stream runs at a time: a generate inside a loop over a stream gets its own outputs (those of a call
+    alone), and the stream, resumed, raises rather than yield anything of the other call's or drop results
+    silently."""
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in tiny.generate(["inner", "call"], params)]
+    outer = [Request(i, prompt=f"outer {i}", sampling_params=params) for i in range(6)]
+    stream = tiny.stream(outer, window=2)
+    first = next(stream)
+    assert first.request_id in range(6)
+    assert [o.outputs[0].token_ids for o in tiny.generate(["inner", "call"], params)] == expected
+    with pytest.raises(RuntimeError, match="a later generate, chat or stream call on the same LLM took the engine"):
+        next(stream)
+    assert not tiny.engine.has_work
+
+
+def test_a_closed_llm_says_so():
+    llm = LLM(model="tiny", max_model_len=64, device="cpu", max_num_seqs=2)
+    llm.close()
+    for _ in range(2):  # the first failure leaves nothing half-done for the second
+        with pytest.raises(RuntimeError, match="this LLM is closed"):
+            llm.generate("a")
+
+
+@pytest.mark.parametrize("request_, error", [
+    (Request(0, prompt=5), "prompt must be a string, got 5"),
+    (Request(0, prompt_token_ids="abc"), "prompt_token_ids must be a list of token ids, got 'abc'"),
+    (Request(0, prompt="x", prompt_token_ids=[5, 6]), "a request takes prompt_token_ids or prompt, not both"),
+    (Request(0, prompt="x", sampling_params={"max_tokens": 2}), "sampling_params must be a SamplingParams or None, "
+                                                                "got dict"),
+])
+def test_a_malformed_request_in_a_stream_is_its_error_result(tiny, request_, error):
+    results = {o.request_id: o for o in tiny.stream([request_, Request(1, prompt="fine")])}
+    assert results[0].error == error and results[0].outputs == []
+    assert results[1].error is None and results[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("window", [0, -1, 2.5, True])
+def test_a_window_below_one_is_an_error(tiny, window):
+    with pytest.raises(ValueError, match=f"window must be a whole number >= 1, got {window!r}"):
+        next(tiny.stream([Request(0, prompt="x")], window=window))
+
+
 def test_chat_applies_the_chat_template(chat_checkpoint, checkpoint_llm):
     with pytest.raises(ConfigError, match=r"model 'qwen3-tiny.*' has no chat template"):  # saved without one
         checkpoint_llm.chat([{"role": "user", "content": "hi"}])
