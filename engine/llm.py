@@ -311,7 +311,7 @@ class LLM:
             raise RequestError("prompt is null")
         if not request.prompt:
             raise RequestError("prompt is empty")
-        return self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        return self.tokenizer.encode(request.prompt)  # with its special tokens (a BOS), as vLLM
 
 
 def check_run_sampling(engine: LLMEngine, sampling: SamplingParams) -> None:

@@ -8,6 +8,7 @@ import torch
 from conftest import draw_norm_weights
 from test_oracle import engine_outputs, reference_outputs
 
+from engine import LLM, SamplingParams
 from engine.errors import ConfigError
 from engine.models.decoder import WeightFootprint
 from engine.models import loader
@@ -272,3 +273,30 @@ def test_model_configs_have_the_published_sizes(make_config, name, architecture,
     with torch.device("meta"):
         model = cls(arch, max_positions=16)
     assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_a_text_prompt_gets_the_special_tokens_its_tokenizer_adds(tmp_path):
+    """As vLLM's generate: a text prompt is tokenized with the tokenizer's special tokens, so a Llama checkpoint
+    whose tokenizer puts <|begin_of_text|> first runs the prompt after it; the greedy tokens are transformers'
+    on the same ids."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = byte_level_tokenizer()
+    backend = tokenizer.backend_tokenizer
+    backend.add_special_tokens(["<|begin_of_text|>"])
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", 257)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                        eos_token="<|endoftext|>")
+    model = draw_norm_weights(llama(vocab_size=258, bos_token_id=257))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ids = AutoTokenizer.from_pretrained(tmp_path)("Hello there").input_ids
+    assert ids[0] == 257 and len(ids) == len("Hello there") + 1
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=64)
+    out = llm.generate("Hello there", SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    llm.close()
+    assert out.prompt_token_ids == ids
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert out.outputs[0].token_ids == expected[0, len(ids):].tolist()
