@@ -133,6 +133,11 @@ class LLM:
     def vocab_size(self) -> int:
         return self.engine.model.arch.vocab_size
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The end-of-sequence ids (config.json's and generation_config.json's together)."""
+        return self.engine.eos_token_ids
+
     def settings(self) -> EngineSettings:
         engine = self.engine
         device = engine.device

@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 
 from engine.errors import ConfigError, RequestError
 from engine.llm import LLM, Request, RequestOutput
+from engine.outputs import CompletionOutput
 from engine.sequence import SamplingParams
 from engine.tokenizer import load_tokenizer
 from jobs import JobError, first_line
@@ -103,8 +104,19 @@ def to_request(row: int, fields: dict, defaults: SamplingParams, chat_template: 
     return Request(row, prompt=prompt, messages=messages, sampling_params=params, error=error)
 
 
-def result_rows(out: RequestOutput) -> list[dict]:
-    """The part rows (jobs.results.PART_SCHEMA) of a result of LLM.stream: one per sample, or one error row."""
+def stop_token_id(sample: CompletionOutput, eos_token_ids: frozenset[int]) -> int | None:
+    """The stop id or EOS that ended the sample; None where something else did (a stop string, the length, a
+    structured output's grammar completing on a token of its text)."""
+    if isinstance(sample.stop_reason, int):
+        return sample.stop_reason
+    ended_by_eos = sample.finish_reason == "stop" and sample.stop_reason is None and sample.token_ids \
+        and sample.token_ids[-1] in eos_token_ids
+    return sample.token_ids[-1] if ended_by_eos else None
+
+
+def result_rows(out: RequestOutput, eos_token_ids: frozenset[int] = frozenset()) -> list[dict]:
+    """The part rows (jobs.results.PART_SCHEMA) of a result of LLM.stream: one per sample, or one error row;
+    eos_token_ids: the model's (LLM.eos_token_ids), for stop_token_id."""
     if out.error:
         return [{"row": out.request_id, "sample_index": 0, "prompt": out.prompt, "finish_reason": "error",
                  "output_tokens": 0, "error": out.error}]
@@ -117,7 +129,7 @@ def result_rows(out: RequestOutput) -> list[dict]:
             "row": out.request_id, "sample_index": c.index, "prompt": out.prompt, "output_text": c.text,
             "output_token_ids": c.token_ids, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason if by_string else None,
-            "stop_token_id": c.token_ids[-1] if c.finish_reason == "stop" and not by_string else None,
+            "stop_token_id": stop_token_id(c, eos_token_ids),
             "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(c.token_ids), "error": None,
             "reasoning": c.reasoning,
             "output_logprobs": logprobs, "top_logprobs": top, "prompt_logprobs": prompt_logprobs,
@@ -177,6 +189,7 @@ class GenerateProcessor(Processor):
         self.chat_template_kwargs = chat_kwargs(job)
         self.reasoning_parser = job.reasoning_parser
         self.defaults: SamplingParams | None = None
+        self.eos_token_ids: frozenset[int] = frozenset()
 
     def max_sequences(self, num_rows: int) -> int | None:
         return None if "n" in self.columns.sampling else num_rows * self.samples
@@ -184,6 +197,7 @@ class GenerateProcessor(Processor):
     def setup(self, llm: LLM) -> None:
         check_chat_input(self.job, self.columns, llm.check_chat_template)
         self.defaults = llm.default_sampling
+        self.eos_token_ids = llm.eos_token_ids
         if {"structured_outputs", "response_format"} & set(self.columns.sampling):  # rows may carry constraints
             llm.prepare_structured_outputs()
 
@@ -191,7 +205,7 @@ class GenerateProcessor(Processor):
         return to_request(key, fields, self.defaults, self.job.chat_template)
 
     def postprocess(self, out: RequestOutput) -> list[dict]:
-        return result_rows(out)
+        return result_rows(out, self.eos_token_ids)
 
 
 def generate_job(cfg, directory: Path) -> None:
@@ -210,7 +224,7 @@ def generate_job(cfg, directory: Path) -> None:
                          writer.resumed, source.num_rows, writer.parts_dir, todo)
             if todo:
                 compute(cfg, source, columns, writer, directory)
-            else:
+            elif source.num_rows:
                 log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")
             final = directory / ("generations.jsonl" if job.output_format == "openai" else "generations.parquet")
             asked = {name: cfg.sampling[name] is not None or name in columns.sampling
@@ -218,8 +232,8 @@ def generate_job(cfg, directory: Path) -> None:
             schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked,
                                         reasoning=job.reasoning_parser is not None)
             tokenizer = load_tokenizer(cfg.model) if job.output_format == "openai" and asked["logprobs"] else None
-            writer.finalize(final_batches(source, columns), final, schema, job.output_format,
-                            cfg.model.path or cfg.model.name, tokenizer)
+            written = writer.finalize(final_batches(source, columns), final, schema, job.output_format,
+                                      cfg.model.path or cfg.model.name, tokenizer)
     except KeyboardInterrupt as err:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the save short
             signal.signal(sig, signal.SIG_IGN)
@@ -240,7 +254,7 @@ def generate_job(cfg, directory: Path) -> None:
     except BaseException:
         _save(writer)
         raise
-    log.info("wrote %s: %d rows", final, source.num_rows)
+    log.info("wrote %s: %d %s", final, written, "lines" if job.output_format == "openai" else "rows")
 
 
 def compute(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, directory: Path) -> None:

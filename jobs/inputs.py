@@ -424,6 +424,9 @@ def plan_columns(job, source: InputFiles, reserved: set[str]) -> Columns:
                         "of those names", [c for c in candidates if c in reserved])
     else:
         keep = list(job.keep_columns)
+        repeated = sorted({c for c in keep if keep.count(c) > 1})
+        if repeated:
+            raise JobError(f"job.keep_columns: {', '.join(map(repr, repeated))} is listed more than once")
         for c in keep:
             if c not in candidates:
                 raise JobError(f"job.keep_columns: {c!r} is not an input column other than the id and prompt; "

@@ -300,22 +300,27 @@ class ResultWriter:
         return table.take(np.lexsort((table["sample_index"].to_numpy(), table["row"].to_numpy())))
 
     def finalize(self, input_batches: Iterator[pa.RecordBatch], path: Path, schema: pa.Schema,
-                 output_format: str = "parquet", model: str = "", tokenizer=None) -> None:
+                 output_format: str = "parquet", model: str = "", tokenizer=None) -> int:
         """Write the final file at `path` (atomically), in input order: one row per input row and sample
         (Parquet), or one line per input row with a choice per sample (OpenAI; `tokenizer` names the tokens
-        of the logprobs, needed when the schema has them)."""
+        of the logprobs, needed when the schema has them). Returns the rows (lines) written."""
+        written = 0
         with atomic_path(path) as tmp:
             if output_format == "openai":
                 created, pieces = int(time.time()), TokenPieces(tokenizer) if tokenizer is not None else None
                 with open(tmp, "w", encoding="utf-8") as out:
                     for rows, table in self.results(input_batches):
                         samples = table.select([n for n in schema.names if n in OPENAI_FIELDS]).to_pylist()
-                        out.writelines(json.dumps(openai_line(int(row), [s for _, s in group], model, created, pieces))
-                                       + "\n" for row, group in itertools.groupby(zip(rows, samples), lambda r: r[0]))
+                        lines = [json.dumps(openai_line(int(row), [s for _, s in group], model, created, pieces)) + "\n"
+                                 for row, group in itertools.groupby(zip(rows, samples), lambda r: r[0])]
+                        out.writelines(lines)
+                        written += len(lines)
             else:
                 with pq.ParquetWriter(tmp, schema_with_metadata(schema, self.cfg)) as out:
                     for _, table in self.results(input_batches):
                         out.write_table(table.select(schema.names).cast(schema))
+                        written += table.num_rows
+        return written
 
 
 @contextmanager

@@ -171,7 +171,8 @@ def build_sweep(root: Path, good: list, table: pa.Table, swept: list[str]) -> pa
         column = [values[i][key] for i in order]
         try:
             columns[key] = pa.array(column)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):  # mixed kinds across runs: keep them as text
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):  # mixed kinds, or ints past int64 (a
+            # 64-bit seed over 2^63): keep them as text
             columns[key] = pa.array([None if v is None else str(v) for v in column], pa.string())
     sweep = pa.table(columns)
     ordered = table.take(order)

@@ -118,6 +118,19 @@ def test_swept_keys_beyond_block_size_get_columns_and_lines(tmp_path, capsys):
     assert not (tmp_path / "sweep.png").exists()
 
 
+def test_a_seed_past_int64_is_swept_as_text(tmp_path):
+    """Every bit of a 64-bit seed counts (a seed of 2^63 or more is valid); Arrow's int64 cannot hold it, so
+    the column keeps the runs' seeds as text, in their order."""
+    for seed in (2**63, 1):
+        directory = tmp_path / f"seed-{seed}"
+        directory.mkdir()
+        cfg = OmegaConf.merge(config(16), {"sampling": {"seed": seed}})
+        write_atomic(pa.Table.from_pylist([summary_row(16)]), directory / "summary.parquet", cfg)
+    sweep, skipped = analyze(tmp_path, tmp_path, plots=False)
+    assert not skipped
+    assert sweep["sampling.seed"].to_pylist() == ["1", str(2**63)]
+
+
 @pytest.mark.parametrize("block_sizes, budgets, title", [
     ([8, 16, 32], [0.001], "Sweep over block_size: 3 runs on cpu"),
     ([16], [0.001, 0.002], "Sweep over kv_budget_gb: 2 runs on cpu"),

@@ -82,3 +82,30 @@ def test_peak_memory_does_not_grow_with_the_number_of_rows(make_config, tmp_path
         logging.disable(logging.NOTSET)
     assert large - small < 2**18, f"peak {small / 2**20:.2f} MiB for 600 rows, {large / 2**20:.2f} MiB for 2400"
     assert pq.read_table(tmp_path / "run-2400" / "generations.parquet").num_rows == 2400
+
+
+def test_stop_token_id_is_the_id_that_ended_a_sample():
+    """The EOS or stop id that ended a sample, else None: a stop string, the length, or a grammar complete on a
+    token of its text (which the column used to report as if it were a stop id)."""
+    from engine.outputs import CompletionOutput
+    from jobs.generate import stop_token_id
+
+    eos = frozenset({9})
+    assert stop_token_id(CompletionOutput(0, "ab", [1, 2, 9], "stop"), eos) == 9
+    assert stop_token_id(CompletionOutput(0, "ab", [1, 2, 7], "stop", stop_reason=7), eos) == 7
+    assert stop_token_id(CompletionOutput(0, "ab", [1, 2], "stop"), eos) is None  # the grammar was complete
+    assert stop_token_id(CompletionOutput(0, "a", [1, 2], "stop", stop_reason="b"), eos) is None
+    assert stop_token_id(CompletionOutput(0, "ab9", [1, 2, 9], "length"), eos) is None
+
+
+def test_a_constrained_job_with_samples(tmp_path):
+    """n = 3 samples of 2 rows under a choice: 6 rows written (the log says so), each a choice, none with a
+    stop id (the grammar ended them, on a token of their text)."""
+    pq.write_table(pa.table({"prompt": ["pick one", "again"]}), tmp_path / "in.parquet")
+    result = run_job(f"job.input={tmp_path / 'in.parquet'}", f"hydra.run.dir={tmp_path / 'run'}", "sampling.n=3",
+                     "sampling.temperature=1.0", "sampling.max_tokens=8", "sampling.structured_outputs={choice: [yes, no]}")
+    assert result.returncode == 0, result.stderr
+    rows = pq.read_table(tmp_path / "run" / "generations.parquet").to_pylist()
+    assert len(rows) == 6 and result.stdout.splitlines()[-1].endswith("generations.parquet: 6 rows")
+    assert all(r["output_text"] in ("yes", "no") and r["finish_reason"] == "stop" for r in rows)
+    assert [r["stop_token_id"] for r in rows] == [None] * 6

@@ -74,6 +74,8 @@ def test_keep_columns_chooses_the_columns_carried(make_config, tmp_path, one_thr
     assert open_input(job(clash))[1].keep == ["tag"]
     with pytest.raises(JobError, match=r"job.keep_columns: 'error' is also a column of generations.parquet"):
         open_input(job(clash, ["error"]))
+    with pytest.raises(JobError, match=r"^job.keep_columns: 'tag' is listed more than once$"):  # before any work
+        open_input(job(path, ["tag", "score", "tag"]))
 
 
 def test_jsonl_types_come_from_every_line_not_the_first_ones(tmp_path, monkeypatch):
