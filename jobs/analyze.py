@@ -31,7 +31,10 @@ def analyze(root: Path, out: Path, cfg=None, plots: bool = True) -> tuple[pa.Tab
     """Read the runs below root, write sweep.parquet (and the plots) to out; returns the sweep table and
     the skipped runs with their reasons."""
     sweep, swept, skipped = read_sweep(root)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise JobError(f"job.out: cannot make the directory {out} ({err.strerror})") from None
     write_atomic(sweep, out / "sweep.parquet", cfg)
     print(format_table(sweep, swept))
     if skipped:

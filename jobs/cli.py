@@ -43,6 +43,7 @@ try:  # Ctrl-C while Python imports Hydra is start-up too
     from hydra.core.override_parser.types import Override, Transformer
     from hydra.errors import OverrideParseException
     from omegaconf import OmegaConf, ValidationError
+    from omegaconf.errors import InterpolationResolutionError
 
     from engine.config import CONF_DIR, default_options, sampling_params
     from engine.errors import ConfigError, UserError
@@ -160,6 +161,8 @@ def run_job(cfg) -> None:
         job.run(cfg)
     except UserError as err:
         fail(str(err), err.exit_code)
+    except InterpolationResolutionError as err:  # ${oc.env:NAME} unset, ${a.key} that does not exist
+        fail(f"{err.full_key}: {str(err.msg).splitlines()[0]}", ConfigError.exit_code)
     except KeyboardInterrupt:  # a job that saves results handles Ctrl-C itself and raises a UserError
         fail(f"interrupted: job={cfg.job.name} stopped before it finished" if started else STARTUP_INTERRUPTED, 130)
 

@@ -161,3 +161,7 @@ def test_analyze_job_errors_are_one_line(tmp_path):
     assert result.returncode == 1 and "no usable summary.parquet" in result.stderr
     result = job()
     assert result.returncode == 1 and "job.root: set it" in result.stderr
+    write_run(tmp_path / "sweep" / "b16", 16)
+    (tmp_path / "a_file").write_text("")
+    result = job(f"job.root={tmp_path / 'sweep'}", f"job.out={tmp_path / 'a_file'}")
+    assert result.returncode == 1 and "error: job.out: cannot make the directory" in result.stderr, result.stderr

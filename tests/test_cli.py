@@ -123,6 +123,10 @@ def test_errors_print_once_on_one_line(qwen3_checkpoint, tmp_path):
         "corrupt weights": ([f"model.path={broken}"], f"model.path: cannot read the weights in {broken}/model.safetensors"),
         "hub id offline": (["model.path=test-org/absent"], "model.path 'test-org/absent' is neither a directory nor in "
                                                            "the local Hugging Face cache"),
+        "unset variable": (["job.input=${oc.env:MINIPAGED_TEST_UNSET}"],
+                           "job.input: KeyError raised while resolving interpolation: \"Environment variable "
+                           "'MINIPAGED_TEST_UNSET' not found\""),
+        "missing key": (["sampling.max_tokens=${job.nope}"], "sampling.max_tokens: Interpolation key 'job.nope' not found"),
     }
     env = {**ENV, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     procs = {name: engine_run(*args, f"hydra.run.dir={tmp_path / str(n)}", "model.device=cpu", env=env)
