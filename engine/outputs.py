@@ -85,7 +85,9 @@ class OutputProcessor:
     def _completion(self, seq) -> CompletionOutput:
         """One sample's CompletionOutput: its text split by the reasoning parser, if there is one."""
         text = self._text(seq)
-        reasoning, text = (None, text) if self.reasoning_parser is None else self.reasoning_parser.split(text)
+        parser = self.reasoning_parser
+        reasoning, text = (None, text) if parser is None else \
+            parser.split(text, parser.prompt_opened_reasoning(seq.prompt_token_ids))
         return CompletionOutput(seq.sample_index, text, list(seq.output_token_ids), seq.finish_reason,
                                 output_logprobs(seq), seq.stop_reason, reasoning)
 

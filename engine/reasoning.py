@@ -26,8 +26,13 @@ class ReasoningParser:
 
     end_token_id: int  # the token that ends the reasoning: a constraint starts after it
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """(the reasoning, without its tags, or None when there is none; the content, the answer)."""
+    def split(self, text: str, opened_in_prompt: bool = False) -> tuple[str | None, str]:
+        """(the reasoning, without its tags, or None when there is none; the content, the answer).
+        opened_in_prompt: the prompt opened the block (prompt_opened_reasoning), so the output starts in it."""
+        raise NotImplementedError
+
+    def prompt_opened_reasoning(self, prompt_token_ids: list[int]) -> bool:
+        """Whether the prompt ends inside an open think block: its outputs reason first, with no tag of their own."""
         raise NotImplementedError
 
     def reasoning_ended(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> bool:
@@ -47,18 +52,22 @@ class Qwen3ReasoningParser(ReasoningParser):
         self.start_token_id = _tag_id(tokenizer, self.start_token)
         self.end_token_id = _tag_id(tokenizer, self.end_token)
 
-    def split(self, text: str) -> tuple[str | None, str]:
-        """A leading <think> opens the block (a <think> elsewhere is text, as are other tags), the first
-        </think> after it closes it; an output with </think> and no leading <think> is reasoning up to
-        the </think> (its template opened the block in the prompt). Unclosed, the whole output after
-        <think> is reasoning and the content is empty (max_tokens ran out while thinking). The content
-        is what follows </think>, its leading whitespace stripped; the reasoning keeps its own."""
-        opened = text.lstrip().startswith(self.start_token)
-        body = text.lstrip().removeprefix(self.start_token) if opened else text
+    def split(self, text: str, opened_in_prompt: bool = False) -> tuple[str | None, str]:
+        """A leading <think> opens the block (a <think> elsewhere is text, as are other tags), as does a
+        prompt that opened it (opened_in_prompt); the first </think> after it closes it. An output with
+        </think> and no leading <think> is reasoning up to the </think> (its template opened the block in
+        the prompt). Unclosed, the whole output in the block is reasoning and the content is empty
+        (max_tokens ran out while thinking). The content is what follows </think>, its leading whitespace
+        stripped; the reasoning keeps its own."""
+        leading = text.lstrip().startswith(self.start_token)
+        body = text.lstrip().removeprefix(self.start_token) if leading else text
         reasoning, closed, content = body.partition(self.end_token)
         if closed:
             return reasoning, content.lstrip()
-        return (body, "") if opened else (None, text)
+        return (body, "") if leading or opened_in_prompt else (None, text)
+
+    def prompt_opened_reasoning(self, prompt_token_ids: list[int]) -> bool:
+        return self._last_tag(prompt_token_ids) == self.start_token_id
 
     def reasoning_ended(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> bool:
         """True once </think> is among the outputs, or when the prompt closed the block itself: its last
@@ -76,6 +85,11 @@ class Qwen3ReasoningParser(ReasoningParser):
             if prompt_token_ids[i] == self.end_token_id:
                 return not self.tokenizer.decode(prompt_token_ids[i + 1:]).strip()
         return False
+
+    def _last_tag(self, token_ids: list[int]) -> int | None:
+        """The last think tag (its id) among token_ids, None if there is none."""
+        tags = (self.start_token_id, self.end_token_id)
+        return next((t for t in reversed(token_ids) if t in tags), None)
 
 
 REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser}  # vLLM's --reasoning-parser names

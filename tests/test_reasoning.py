@@ -67,6 +67,26 @@ def test_split(parser, text, reasoning, content):
     assert parser.split(text) == (reasoning, content)
 
 
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("\nstill adding", "\nstill adding", ""),  # cut by max_tokens in a block the prompt opened: all reasoning
+    ("\nI add.\n</think>\n\n4", "\nI add.\n", "4"),  # closed: as without the flag
+    ("", "", ""),
+])
+def test_split_of_an_output_whose_prompt_opened_the_block(parser, text, reasoning, content):
+    assert parser.split(text, opened_in_prompt=True) == (reasoning, content)
+
+
+@pytest.mark.parametrize("prompt, opened", [
+    ("<|im_start|>assistant\n<think>\n", True),  # a template that opens the block
+    ("<|im_start|>assistant\n", False),  # Qwen3's thinking mode: the output opens it
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # enable_thinking false: closed
+    ("<think>\nr\n</think>\n\nok<|im_end|>\n<|im_start|>assistant\n", False),  # an earlier turn's, closed
+    ("plain text", False),
+])
+def test_a_prompt_opened_the_block_when_its_last_tag_is_think(parser, prompt, opened):
+    assert parser.prompt_opened_reasoning(ids_of(parser.tokenizer, prompt)) is opened
+
+
 # -- reasoning_ended -----------------------------------------------------------------------------------
 def test_the_tags_are_one_token_each(parser):
     tokenizer = parser.tokenizer
@@ -149,6 +169,16 @@ def test_the_output_processor_splits_each_sample(parser):
     assert out.request_id == "request 7" and [c.index for c in out.outputs] == [0, 1]
     assert [(c.reasoning, c.text) for c in out.outputs] == [("\nhm\n", "OK"), ("r", "cut ")]
     assert out.outputs[0].token_ids == thought
+
+
+def test_a_sample_cut_while_thinking_in_a_block_its_prompt_opened_is_all_reasoning(parser):
+    tokenizer = parser.tokenizer
+    sample = finished(0, ids_of(tokenizer, "\nstill thinking"), n=1)
+    sample.prompt_token_ids, sample.finish_reason = ids_of(tokenizer, "<|im_start|>assistant\n<think>\n"), "length"
+    processor = OutputProcessor(tokenizer, parser)
+    processor.expect("r", 0, None)
+    (out,) = processor.outputs([sample])
+    assert (out.outputs[0].reasoning, out.outputs[0].text) == ("\nstill thinking", "")
 
 
 def test_without_a_parser_the_text_is_whole(parser):
