@@ -38,6 +38,8 @@ try:  # Ctrl-C while Python imports Hydra is start-up too
     import typing
 
     import hydra
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Override, Transformer
@@ -114,6 +116,25 @@ def check_overrides(args: list[str]) -> None:
                     setattr(OmegaConf.structured(owner), field.name, value)  # OmegaConf's conversions, as Hydra's
                 except ValidationError:
                     raise ConfigError(f"{key} must be {_kind(field.type)}, got {value!r}") from None
+
+
+def check_sweep(args: list[str]) -> None:
+    """With --multirun, every run's configuration checked (validate) before the first runs, so that a bad
+    value in the third run of a sweep stops it before the first two run; ConfigError naming the run."""
+    parsed = get_args_parser().parse_known_args(args)[0]
+    if not parsed.multirun:
+        return
+    try:
+        runs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(parsed.overrides), None)[0]
+    except OverrideParseException:
+        return  # Hydra reports the syntax
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        for number, overrides in enumerate(runs):
+            own = [o for o in overrides if not o.startswith("hydra.")]
+            try:
+                validate(compose("config", overrides=own))
+            except ConfigError as err:
+                raise ConfigError(f"sweep run #{number} ({' '.join(own)}): {err}") from None
 
 
 def _text(value) -> str:
@@ -203,6 +224,7 @@ def main() -> None:
     atexit.register(quiet_teardown)
     try:
         check_overrides(sys.argv[1:])
+        check_sweep(sys.argv[1:])
         run_job()
     except UserError as err:
         fail(str(err), err.exit_code)

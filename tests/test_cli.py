@@ -139,6 +139,19 @@ def test_errors_print_once_on_one_line(qwen3_checkpoint, tmp_path):
         assert "Traceback" not in out + err, (name, err)
 
 
+def test_a_sweep_checks_every_run_before_the_first(tmp_path):
+    """A value that cannot work in the sweep's second run stops it before the first runs (configuration.md:
+    every value is checked before anything runs), naming that run."""
+    proc = engine_run("-m", "job=bench", "job.num_prompts=2", "job.input_len=[4,8]", "job.output_len=[2,4]",
+                      "cache.block_size=16,0", f"hydra.sweep.dir={tmp_path / 'sweep'}", "model.device=cpu")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert err.splitlines()[-1] == ("error: sweep run #1 (job=bench job.num_prompts=2 job.input_len=[4,8] "
+                                    "job.output_len=[2,4] cache.block_size=0 model.device=cpu): cache.block_size "
+                                    "must be >= 1, got 0"), err
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_a_failed_run_logs_its_error_and_a_run_names_its_model_and_input(qwen3_checkpoint, tmp_path):
     """run.log gets the error line as stderr does (not the console twice), and it starts with the model path and
     the input file."""
