@@ -220,7 +220,7 @@ class InputFiles:
                         chunk = contents_as_parts(chunk, self.conversation_column)
                     elif schema is None and PART_LISTS.search(chunk):
                         raise _PartLists()
-                    table = _parse_jsonl(chunk, options, f"{path}, lines {line}-{line + lines - 1}")
+                    table = _parse_jsonl(chunk, options, path, line, lines)
                     if table.num_rows:
                         yield table
                     line += lines
@@ -286,9 +286,11 @@ def line_chunks(stream) -> Iterator[bytes]:
         yield bytes(pending)
 
 
-def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, where: str) -> pa.Table:
-    """A chunk of whole lines as one block (pyarrow's default block of 1 MiB stops at a longer line);
-    JobError naming `where` when it is not JSONL."""
+def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, path: Path, line: int, lines: int) -> pa.Table:
+    """A chunk of whole lines (lines of them, the first the file's line `line`) as one block (pyarrow's
+    default block of 1 MiB stops at a longer line); JobError naming the file and the line when it is not
+    JSONL."""
+    where = f"{path}, lines {line}-{line + lines - 1}"
     try:
         return pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
                             parse_options=options)
@@ -301,7 +303,25 @@ def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, where: str) -> p
         if changed:
             raise JobError(f"job.input: {where}: column {changed[1]!r} holds {changed[2]} in some rows "
                            f"and {changed[3]} in others") from None
+        bad = _first_bad_line(chunk)
+        if bad is not None:
+            raise JobError(f"job.input: {path}, line {line + bad[0]} is not a JSON object ({bad[1]})") from None
         raise JobError(f"job.input: {where} is not readable JSONL ({first_line(err)})") from None
+
+
+def _first_bad_line(chunk: bytes) -> tuple[int, str] | None:
+    """(its index in the chunk, why) of the first line that is neither blank nor a JSON object; None if none is
+    (pyarrow refused the chunk for another reason). Run only once a chunk has failed."""
+    for index, text in enumerate(chunk.split(b"\n")):
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            return index, str(err)
+        if not isinstance(value, dict):
+            return index, f"a JSON {type(value).__name__}"
+    return None
 
 
 def contents_as_parts(chunk: bytes, conversation_column: str | None) -> bytes:

@@ -117,11 +117,26 @@ def test_inputs_that_name_no_usable_files(tmp_path):
         f"{tmp_path}/nothing-*.parquet": r"job.input: no file matches .*nothing-\*.parquet",
         str(tmp_path / "empty"): r"job.input: no \*.parquet or \*.jsonl file in directory .*empty",
         str(tmp_path / "mixed"): r"job.input: .*mixed mixes JSONL and Parquet files",
-        str(tmp_path / "broken.jsonl"): r"job.input: .*broken.jsonl, lines 1-2 is not readable JSONL \(JSON parse error",
+        str(tmp_path / "broken.jsonl"): r"job.input: .*broken.jsonl, line 2 is not a JSON object \(Expecting value: "
+                                        r"line 1 column 12",
     }
     for spec, message in cases.items():
         with pytest.raises(JobError, match=message):
             open_input(job(spec))
+
+
+def test_a_broken_line_deep_in_a_large_jsonl_is_named(tmp_path, monkeypatch):
+    """The line's number in the file, counted by hand: chunks of a few lines each, blank lines among them."""
+    monkeypatch.setattr(jobs.inputs, "CHUNK_BYTES", 64)
+    lines = [json.dumps({"prompt": f"row {i}"}) if i % 7 else "" for i in range(1, 60)]
+    lines[41] = '{"prompt": "cut'  # line 42
+    (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(JobError, match=r"big.jsonl, line 42 is not a JSON object \(Unterminated string"):
+        InputFiles(str(tmp_path / "big.jsonl"))
+    lines[41] = "[1, 2]"
+    (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(JobError, match=r"big.jsonl, line 42 is not a JSON object \(a JSON list\)"):
+        InputFiles(str(tmp_path / "big.jsonl"))
 
 
 def test_the_fingerprint_follows_the_bytes_not_the_timestamps(tmp_path):
