@@ -133,6 +133,10 @@ class LLM:
     def vocab_size(self) -> int:
         return self.engine.model.arch.vocab_size
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's name for it; also the attribute `tokenizer`)."""
+        return self.tokenizer
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         """The end-of-sequence ids (config.json's and generation_config.json's together)."""

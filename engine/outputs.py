@@ -30,6 +30,7 @@ class CompletionOutput:
     logprobs: Logprobs | None = None  # when SamplingParams.logprobs is not None
     stop_reason: int | str | None = None  # the stop string or stop_token_ids entry that ended it; None for EOS
     reasoning: str | None = None  # the reasoning parser's reasoning, its tags left out; None without either
+    cumulative_logprob: float | None = None  # the sum of its tokens' logprobs, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -88,8 +89,10 @@ class OutputProcessor:
         parser = self.reasoning_parser
         reasoning, text = (None, text) if parser is None else \
             parser.split(text, parser.prompt_opened_reasoning(seq.prompt_token_ids))
+        logprobs = output_logprobs(seq)
+        cumulative = None if logprobs is None else sum(seq.output_logprobs)
         return CompletionOutput(seq.sample_index, text, list(seq.output_token_ids), seq.finish_reason,
-                                output_logprobs(seq), seq.stop_reason, reasoning)
+                                logprobs, seq.stop_reason, reasoning, cumulative)
 
     def _text(self, seq) -> str:
         """The output text: cut at the stop string that ended it, else the tokens decoded, without the

@@ -78,6 +78,25 @@ def test_output_logprobs_match_transformers(make_config, qwen3_checkpoint, promp
             assert [top[0][0] for top in seq.top_logprobs] == seq.output_token_ids or seq.sampling.repetition_penalty != 1
 
 
+def test_the_cumulative_logprob_is_the_sum_of_the_tokens_logprobs(qwen3_checkpoint, one_thread):
+    """vLLM's CompletionOutput.cumulative_logprob: the sum over the sample's tokens of transformers' log-softmax
+    at each (a sampled row and a greedy one); None when no logprobs were asked for."""
+    from engine import LLM
+
+    path, hf_model = qwen3_checkpoint
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64)
+    prompt = [5, 17, 99, 3]
+    outs = llm.generate([prompt] * 3, [SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=0),
+                                       SamplingParams(max_tokens=8, logprobs=2), SamplingParams(max_tokens=8)])
+    llm.close()
+    for out in outs[:2]:
+        tokens = out.outputs[0].token_ids
+        expected = hf_log_softmax(hf_model, prompt + tokens)[len(prompt) - 1:]
+        total = sum(expected[j, token].item() for j, token in enumerate(tokens))
+        assert abs(out.outputs[0].cumulative_logprob - total) < TOLERANCE * len(tokens)
+    assert outs[2].outputs[0].cumulative_logprob is None
+
+
 def check_prompt_logprobs(seq, hf_model):
     prompt, k = seq.prompt_token_ids, seq.sampling.prompt_logprobs
     expected = hf_log_softmax(hf_model, prompt)
