@@ -67,6 +67,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # an output constraint: json, regex, choice, grammar or json_object
 
     def __post_init__(self):
+        for name, value in NONE_MEANS.items():  # vLLM's None for these: no limit, no seed of one's own
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         for name, kind in FIELD_KINDS.items():
             object.__setattr__(self, name, _convert(name, getattr(self, name), kind))
         problem = self.problem()
@@ -150,8 +153,8 @@ def _scalar(name: str, value, kind: type):
 
 def _convert(name: str, value, kind: tuple[type, bool, bool]):
     element, many, optional = kind
-    if value is None and optional:
-        return None
+    if value is None and (optional or many):  # a list field's None: none (vLLM's stop=None)
+        return None if optional else ()
     if element is StructuredOutputsParams:  # an instance, a mapping or its JSON text
         return StructuredOutputsParams.from_value(value)
     if not many:
@@ -169,6 +172,9 @@ _ELEMENT_OK = {str: lambda v: isinstance(v, str),
                int: lambda v: not isinstance(v, bool) and (isinstance(v, numbers.Integral) or
                                                           isinstance(v, float) and v.is_integer())}
 FIELD_KINDS = {name: _kind(kind) for name, kind in typing.get_type_hints(SamplingParams).items()}
+# max_tokens None: as many as max_model_len leaves room for (the engine caps prompt + outputs at it); seed None:
+# the default seed (draws here are deterministic whatever the seed)
+NONE_MEANS = {"max_tokens": 2**31 - 1, "seed": 0}
 
 
 def takes_one_value(name: str) -> bool:

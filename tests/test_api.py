@@ -245,6 +245,15 @@ def test_a_stream_left_half_way_does_not_leak_into_the_next(tiny):
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
 
 
+def test_vllms_none_values_of_sampling_params(tiny):
+    """vLLM's SamplingParams takes None for max_tokens (as many as max_model_len leaves room for), seed, stop and
+    stop_token_ids (none); a 5-token prompt in max_model_len 128 then runs 123 tokens."""
+    params = SamplingParams(max_tokens=None, seed=None, stop=None, stop_token_ids=None, ignore_eos=True)
+    assert (params.seed, params.stop, params.stop_token_ids) == (0, (), ())
+    out = tiny.generate([[5, 6, 7, 8, 9]], params)[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (128 - 5, "length")
+
+
 @pytest.mark.parametrize("stop_at", [1, 2, 5])
 def test_an_interrupted_generate_leaves_the_llm_as_new(tiny, monkeypatch, stop_at):
     """Ctrl-C (or any error) at the N-th step's launch, after the scheduler has taken its slots: the next call
