@@ -268,6 +268,7 @@ class LLMEngine:
         the prompt is computed once; where they cannot be forked they are queued first in line then, to
         take its full blocks from the prefix cache. A request for prompt logprobs takes nothing from the
         cache nor forks: each sample computes its prompt to have them."""
+        sampling = sampling.for_request(request_id)  # LLM has given it its request's own; this for direct callers
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
         samples = [Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling.sample(i),
                             max_num_tokens, sample_index=i) for i in range(sampling.n)]

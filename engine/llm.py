@@ -263,7 +263,7 @@ class LLM:
             if error:
                 yield RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [], error=error)
                 continue
-            self.engine.add_request(str(n), token_ids, self._sampling(request))
+            self.engine.add_request(str(n), token_ids, self._sampling(request).for_request(request.request_id))
             self._outputs.expect(str(n), request.request_id, request.prompt)
             while self._outputs.num_pending >= window or self.engine.scheduler.is_saturated():
                 yield from self._outputs.outputs(self.engine.step())

@@ -54,7 +54,7 @@ class SamplingParams:
     max_tokens: int = 64  # output tokens per request, at most
     min_tokens: int = 0  # EOS, stop ids and stop strings cannot end the output before this many tokens
     ignore_eos: bool = False  # go on past the end-of-sequence token, up to max_tokens
-    seed: int = 0  # a request's random draws depend only on its seed and its logits
+    seed: int | None = None  # a request's draws depend only on its seed and its logits; None: request_seed of its id
     stop_token_ids: tuple[int, ...] = ()  # more token ids that end the output (kept in it)
     stop: tuple[str, ...] = ()  # stop strings: the output text ends before the first one it contains
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) at the end of the text
@@ -67,7 +67,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # an output constraint: json, regex, choice, grammar or json_object
 
     def __post_init__(self):
-        for name, value in NONE_MEANS.items():  # vLLM's None for these: no limit, no seed of one's own
+        for name, value in NONE_MEANS.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         for name, kind in FIELD_KINDS.items():
@@ -98,6 +98,11 @@ class SamplingParams:
         )
         return next((f"{name} {rule}, got {value!r}" for ok, name, rule, value in checks if not ok), None)
 
+    def for_request(self, request_id) -> "SamplingParams":
+        """These settings for the request `request_id`: the same, with request_seed(request_id) where the seed
+        is None (so repeated prompts draw apart, and a request draws the same in any run)."""
+        return self if self.seed is not None else replace(self, seed=request_seed(request_id))
+
     def sample(self, index: int) -> "SamplingParams":
         """The settings sample `index` of n draws with: the same, with seed sample_seed(seed, index)."""
         return self if index == 0 else replace(self, seed=sample_seed(self.seed, index))
@@ -114,6 +119,12 @@ class SamplingParams:
         that differ only above bit 31 draw differently) and a seed below 2^32 is its own (mix32(0) = 0).
         Made once per SamplingParams: the sampler reads it for every row of every step."""
         return (self.seed & _MASK32) ^ mix32((self.seed >> 32) & _MASK32)
+
+
+def request_seed(request_id) -> int:
+    """The seed of a request without one of its own: the first 8 bytes of BLAKE2b("request:<request_id>"),
+    little-endian, shifted right by one. Its id is its input row in a job, its prompt's index in generate()."""
+    return int.from_bytes(hashlib.blake2b(f"request:{request_id}".encode(), digest_size=8).digest(), "little") >> 1
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -172,9 +183,8 @@ _ELEMENT_OK = {str: lambda v: isinstance(v, str),
                int: lambda v: not isinstance(v, bool) and (isinstance(v, numbers.Integral) or
                                                           isinstance(v, float) and v.is_integer())}
 FIELD_KINDS = {name: _kind(kind) for name, kind in typing.get_type_hints(SamplingParams).items()}
-# max_tokens None: as many as max_model_len leaves room for (the engine caps prompt + outputs at it); seed None:
-# the default seed (draws here are deterministic whatever the seed)
-NONE_MEANS = {"max_tokens": 2**31 - 1, "seed": 0}
+# max_tokens None (vLLM's): as many as max_model_len leaves room for (the engine caps prompt + outputs at it)
+NONE_MEANS = {"max_tokens": 2**31 - 1}
 
 
 def takes_one_value(name: str) -> bool:

@@ -16,6 +16,7 @@ from test_oracle import MAX_TOKENS, reference_outputs
 from engine import LLM, Request, RequestError, SamplingParams
 from engine.config import engine_config
 from engine.errors import ConfigError
+from engine.sequence import request_seed
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"}
@@ -246,12 +247,26 @@ def test_a_stream_left_half_way_does_not_leak_into_the_next(tiny):
 
 
 def test_vllms_none_values_of_sampling_params(tiny):
-    """vLLM's SamplingParams takes None for max_tokens (as many as max_model_len leaves room for), seed, stop and
-    stop_token_ids (none); a 5-token prompt in max_model_len 128 then runs 123 tokens."""
+    """vLLM's SamplingParams takes None for max_tokens (as many as max_model_len leaves room for), seed (each
+    request its own), stop and stop_token_ids (none); a 5-token prompt in max_model_len 128 then runs 123 tokens."""
     params = SamplingParams(max_tokens=None, seed=None, stop=None, stop_token_ids=None, ignore_eos=True)
-    assert (params.seed, params.stop, params.stop_token_ids) == (0, (), ())
+    assert (params.seed, params.stop, params.stop_token_ids) == (None, (), ())
     out = tiny.generate([[5, 6, 7, 8, 9]], params)[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (128 - 5, "length")
+
+
+def test_repeated_prompts_draw_apart_unless_they_share_a_seed(tiny):
+    """Without a seed of its own a request draws with request_seed of its id (its index here), as vLLM's draws
+    differ for repeated prompts: four copies of a prompt give four outputs, the same again on a second call
+    (each output is that of its index's seed given explicitly); with one seed for all they are one output."""
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in tiny.generate(["same"] * 4, params)]
+    assert len({tuple(t) for t in outputs}) == 4
+    assert [o.outputs[0].token_ids for o in tiny.generate(["same"] * 4, params)] == outputs
+    explicit = tiny.generate(["same"] * 4, [dataclasses.replace(params, seed=request_seed(i)) for i in range(4)])
+    assert [o.outputs[0].token_ids for o in explicit] == outputs
+    shared = tiny.generate(["same"] * 4, dataclasses.replace(params, seed=7))
+    assert len({tuple(o.outputs[0].token_ids) for o in shared}) == 1
 
 
 @pytest.mark.parametrize("stop_at", [1, 2, 5])
