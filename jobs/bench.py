@@ -40,6 +40,7 @@ from engine.stats import FloorModel, workload_floor_s
 from engine.structured import StructuredOutputsParams
 from jobs import JobError
 from jobs.common import new_counts, run_dir, summary_row, tally, write_stats
+from jobs.config import BenchJob
 from jobs.executors import execute
 from jobs.processor import Processor
 
@@ -211,7 +212,21 @@ def hf_baseline(llm: LLM, requests: list, ours: list[list[int]], batch_size: int
     return columns
 
 
+def warn_unused_keys(job) -> None:
+    """A fixed workload's prompts, lengths and seed are its own: a key of the random workload set to another
+    value than its default does nothing there, which the log says."""
+    if job.workload == "random":
+        return
+    default = BenchJob()
+    unused = [f"job.{key}={job[key]}" for key in ("num_prompts", "input_len", "output_len", "seed")
+              if (list(job[key]) if key.endswith("_len") else job[key]) != getattr(default, key)]
+    if unused:
+        log.warning("job.workload=%s has prompts and lengths of its own: %s apply to job.workload=random only",
+                    job.workload, ", ".join(unused))
+
+
 def run(cfg) -> None:
+    warn_unused_keys(cfg.job)
     sizes = shape(cfg.job)
     longest = sizes.prefix_len + sizes.input_len[1] + sizes.output_len[1]
     if longest > cfg.model.max_model_len:

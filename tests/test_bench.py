@@ -2,6 +2,7 @@
 its JSON-schema constraints, and a run on CPU with its floor and the transformers baseline."""
 import dataclasses
 import json
+import logging
 import os
 import random
 import subprocess
@@ -155,3 +156,15 @@ def test_the_bench_floor_counts_every_sample(tmp_path, make_config):
     assert floor == pytest.approx({k: summary[k] for k in floor})
     assert summary["floor_prompt_tokens"] == sum(len(p) for p, _ in requests)
     assert summary["max_num_seqs"] == 4 * 2
+
+
+def test_keys_of_the_random_workload_set_for_a_fixed_one_are_warned_of(make_config, caplog):
+    from jobs.bench import warn_unused_keys
+
+    with caplog.at_level(logging.WARNING, logger="minipaged"):
+        for overrides in (["job.workload=nano"], ["job.num_prompts=4"]):  # defaults, or the random workload's own
+            warn_unused_keys(make_config("job=bench", *overrides).job)
+        assert caplog.messages == []
+        warn_unused_keys(make_config("job=bench", "job.workload=nano", "job.num_prompts=4", "job.output_len=[2,4]").job)
+    assert caplog.messages == ["job.workload=nano has prompts and lengths of its own: job.num_prompts=4, "
+                               "job.output_len=[2, 4] apply to job.workload=random only"]

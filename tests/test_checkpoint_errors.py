@@ -34,6 +34,7 @@ def truncate(name: str):
     (edit_config(hidden_size=..., num_hidden_layers=...), r"config.json lacks hidden_size, num_hidden_layers$"),
     (edit_config(hidden_size="96", head_dim=0, rms_norm_eps=float("inf")),
      r"config.json has impossible values: hidden_size='96', head_dim=0, rms_norm_eps=inf$"),
+    (edit_config(head_dim=23), r"config.json head_dim 23 is odd: RoPE rotates pairs of dimensions$"),
     (edit_config(architectures=["GPT2LMHeadModel"]), r"config.json: architecture 'GPT2LMHeadModel' is not supported "
                                                      + re.escape(f"(supported architectures: {', '.join(MODELS)})") + "$"),
     (edit_config(intermediate_size=128), r"model.safetensors holds model.layers.0.mlp.down_proj.weight of shape "
@@ -53,3 +54,8 @@ def test_a_broken_tokenizer_is_named(qwen3_checkpoint, tmp_path, make_config):
     (path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "nonsense"}}')
     with pytest.raises(ConfigError, match=r"^model.path: cannot load the tokenizer in .*ckpt \("):
         load_tokenizer(make_config(f"model.path={path}").model)
+
+
+def test_an_odd_head_dim_of_random_weights_is_named(make_config):
+    with pytest.raises(ConfigError, match=r"^model.head_dim 3 is odd: RoPE rotates pairs of dimensions$"):
+        build_model(make_config("model.head_dim=3").model, torch.device("cpu"), torch.float32)

@@ -132,7 +132,11 @@ def model_spec(model_cfg, path: Path | None) -> tuple[type[DecoderForCausalLM], 
         config, where, eos = random_weights_config(model_cfg), "model", [model_cfg.eos_token_id]
     check_shape_values(config, where)
     cls = model_class(config, where)
-    return cls, cls.arch_from_config(config, where), eos
+    arch = cls.arch_from_config(config, where)
+    if arch.head_dim % 2:
+        key = f"{where} head_dim" if path else "model.head_dim"
+        raise ConfigError(f"{key} {arch.head_dim} is odd: RoPE rotates pairs of dimensions")
+    return cls, arch, eos
 
 
 def eos_ids(value) -> list[int]:
