@@ -1,7 +1,7 @@
 """job.input: where the rows come from, what each column is, and the input's fingerprint.
 
-job.input names a Parquet file, a JSONL file (*.jsonl, or compressed: *.jsonl.gz, *.jsonl.zst,
-*.jsonl.zstd), a directory (every such file below it; names starting with "." or "_" are skipped, as Spark
+job.input names a Parquet file, a JSONL file (*.jsonl or *.ndjson, in any case, or compressed: *.jsonl.gz,
+*.jsonl.zst, *.jsonl.zstd), a directory (every such file below it; names starting with "." or "_" are skipped, as Spark
 and pyarrow do) or a glob (`data/part-*.parquet`). The files are read in sorted path order as one table,
 in record batches, and the rows are numbered across them (row numbers are what the saved results refer
 to). All files of one input share one format (JSONL, compressed or not, or Parquet). Their schemas are
@@ -64,7 +64,8 @@ ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row c
 CONSTRAINT_KEYS = re.compile(rb'"(structured_outputs|response_format)"')  # JSONL lines that constraints_as_text rewrites
 OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
-JSONL_CODECS = {".jsonl": None, ".jsonl.gz": "gzip", ".jsonl.zst": "zstd", ".jsonl.zstd": "zstd"}  # by name
+JSONL_CODECS = {f"{kind}{suffix}": codec for kind in (".jsonl", ".ndjson")  # by name, in any case
+                for suffix, codec in (("", None), (".gz", "gzip"), (".zst", "zstd"), (".zstd", "zstd"))}
 PART_LISTS = re.compile(rb'"content"\s*:\s*\[')  # a message content given as a list of parts
 MAGIC = {b"\x1f\x8b": "gzip-compressed (a gzip-compressed JSONL file must be named *.jsonl.gz)",
          b"\x28\xb5\x2f\xfd": "zstd-compressed (a zstd-compressed JSONL file must be named *.jsonl.zst)",
@@ -83,12 +84,12 @@ def _plain_type(kind: pa.DataType) -> pa.DataType:
 
 
 def is_jsonl(path: Path) -> bool:
-    return any(path.name.endswith(suffix) for suffix in JSONL_CODECS)
+    return any(path.name.lower().endswith(suffix) for suffix in JSONL_CODECS)
 
 
 def jsonl_codec(path: Path) -> str | None:
     """The compression of a JSONL file, from its name (None: plain)."""
-    return next(codec for suffix, codec in JSONL_CODECS.items() if path.name.endswith(suffix))
+    return next(codec for suffix, codec in JSONL_CODECS.items() if path.name.lower().endswith(suffix))
 
 
 def what_file(path: Path) -> str:

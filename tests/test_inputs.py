@@ -1,5 +1,6 @@
 """Input from where the data lives (jobs/inputs.py): Parquet, JSONL, directories and globs read as one table,
 extra columns carried to the output, schemas unified across files and chunks, OpenAI batch files in and out."""
+import gzip
 import json
 import os
 from pathlib import Path
@@ -123,6 +124,17 @@ def test_inputs_that_name_no_usable_files(tmp_path):
     for spec, message in cases.items():
         with pytest.raises(JobError, match=message):
             open_input(job(spec))
+
+
+@pytest.mark.parametrize("name", ["in.ndjson", "IN.JSONL", "in.NDJSON.gz"])
+def test_ndjson_and_upper_case_names_are_jsonl(tmp_path, name):
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    opener = gzip.open if name.endswith(".gz") else open
+    with opener(tmp_path / name, "wt") as out:
+        out.writelines(json.dumps(r) + "\n" for r in rows)
+    source = InputFiles(str(tmp_path / name))
+    assert source.format == "jsonl" and source.num_rows == 2
+    assert pa.Table.from_batches(list(source.batches(["prompt"], 8))).to_pylist() == rows
 
 
 def test_a_broken_line_deep_in_a_large_jsonl_is_named(tmp_path, monkeypatch):
