@@ -447,10 +447,10 @@ class LLMEngine:
         it only for rows that one of its conditions could end: a new condition goes into that test too."""
         p = seq.sampling
         stopping = index + 1 >= p.min_tokens
+        if stopping and token in self.eos_token_ids and not p.ignore_eos:  # first, as vLLM: stop_reason None
+            return "stop"
         if stopping and token in p.stop_token_ids:
             seq.stop_reason = token
-            return "stop"
-        if stopping and token in self.eos_token_ids and not p.ignore_eos:
             return "stop"
         if seq.detokenizer is not None and self._stop_string(seq, token, stopping):
             return "stop"

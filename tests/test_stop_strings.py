@@ -110,6 +110,14 @@ def test_stop_ids_and_eos_respect_min_tokens(tiny, full_outputs):
     assert completion.text == tiny.tokenizer.decode(ids[:1])
 
 
+def test_an_eos_that_is_also_a_stop_id_ends_as_eos(tiny, full_outputs, monkeypatch):
+    """As vLLM checks EOS before the stop ids: a token that is both ends the output with stop_reason None."""
+    prompt, ids, _ = full_outputs[1]
+    monkeypatch.setattr(tiny.engine, "eos_token_ids", frozenset({ids[1]}))
+    completion = tiny.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[ids[1]]))[0].outputs[0]
+    assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == (ids[:2], "stop", None)
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 256), max_size=40))
 def test_incremental_detokenization_equals_decoding_everything(tokens):
