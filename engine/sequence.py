@@ -88,6 +88,8 @@ class SamplingParams:
              self.min_tokens),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0", self.stop_token_ids),
             (all(self.stop), "stop", "must not hold an empty string", self.stop),
+            (self.seed is None or -2**63 <= self.seed < 2**64, "seed", "must fit in 64 bits (-2^63 to 2^64 - 1)",
+             self.seed),
             (self.n >= 1, "n", "must be >= 1", self.n),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0 or null", self.logprobs),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs", "must be >= 0 or null",

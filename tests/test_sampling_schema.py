@@ -62,6 +62,8 @@ def test_impossible_sampling_settings(make_config, override, message):
     ({"stop_token_ids": ["a"]}, "stop_token_ids must be a list of token ids, got ['a']"),
     ({"min_tokens": 5}, "min_tokens must be in [0, max_tokens=4], got 5"),
     ({"frequency_penalty": float("inf")}, "frequency_penalty inf is not a valid float"),
+    ({"seed": 2**64}, f"seed must fit in 64 bits (-2^63 to 2^64 - 1), got {2**64}"),  # it wrapped to seed 0
+    ({"seed": -2**63 - 1}, f"seed must fit in 64 bits (-2^63 to 2^64 - 1), got {-2**63 - 1}"),
 ])
 def test_bad_per_row_values_name_the_field(values, message):
     with pytest.raises(RequestError) as err:
