@@ -119,8 +119,10 @@ class SamplingParams:
         """The 32-bit seed of the sampling noise (ops/sampling_reference.uniform_noise): the seed's low 32 bits
         XOR mix32 of its next 32, so that every bit of a 64-bit seed counts (mix32 is a bijection, so seeds
         that differ only above bit 31 draw differently) and a seed below 2^32 is its own (mix32(0) = 0).
-        Made once per SamplingParams: the sampler reads it for every row of every step."""
-        return (self.seed & _MASK32) ^ mix32((self.seed >> 32) & _MASK32)
+        Made once per SamplingParams: the sampler reads it for every row of every step. A seed still None
+        (settings drawn from directly, not through a request's for_request) draws as seed 0."""
+        seed = self.seed or 0
+        return (seed & _MASK32) ^ mix32((seed >> 32) & _MASK32)
 
 
 def request_seed(request_id) -> int:
