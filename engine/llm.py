@@ -310,9 +310,9 @@ class LLM:
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
         if request.messages is not None:
-            check_messages(request.messages)
+            messages = text_messages(request.messages)
             try:
-                return self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                           return_dict=False, **(chat_template_kwargs or {}))
             except Exception as err:  # a malformed conversation fails in the template (Jinja, KeyError, ...)
                 raise RequestError(f"chat template failed on this conversation: {err}") from None
@@ -413,15 +413,40 @@ def _check_sampling_params(params, name: str) -> None:
         raise RequestError(f"{name} must be a SamplingParams or None, got {params!r}")
 
 
-def check_messages(messages) -> None:
-    """RequestError naming the message and the field when a conversation is not a list of {role, content}."""
-    if not isinstance(messages, list) or not messages:
+def text_messages(messages) -> list[dict]:
+    """The conversation with each content a string (OpenAI's text parts joined, as vLLM joins them);
+    RequestError naming the message and the field when it is not a list of {role, content}."""
+    if not isinstance(messages, (list, tuple)) or not messages:
         raise RequestError(f"messages must be a non-empty list of {{role, content}}, got {messages!r}")
+    checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise RequestError(f"messages[{i}] must be a {{role, content}} object, got {message!r}")
+        if isinstance(message.get("content"), (list, tuple)):
+            try:
+                message = {**message, "content": joined_text(message["content"])}
+            except ValueError as err:
+                raise RequestError(f"messages[{i}].{err}") from None
         for key in ("role", "content"):
             if message.get(key) is None:
                 raise RequestError(f"messages[{i}] has no {key}")
             if not isinstance(message[key], str):
                 raise RequestError(f"messages[{i}].{key} must be a string, got {message[key]!r}")
+        checked.append(message)
+    return checked
+
+
+def joined_text(parts: list) -> str:
+    """A content given as a list of parts, as one string: the texts of its text parts joined with newlines,
+    as vLLM joins them. ValueError naming the part (content[j]) that is not a text part."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"content[{j}] is a part of type {kind!r}: only text parts are supported"
+                             if kind is not None else f"content[{j}] is not a part with a type, got {part!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"content[{j}] is a text part without text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+

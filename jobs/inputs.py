@@ -54,6 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
+from engine.llm import joined_text
 from engine.sequence import SamplingParams
 from jobs import JobError, first_line
 
@@ -532,21 +533,6 @@ def conversation_fields(messages: list[dict] | None) -> dict:
                 return {"messages": cleaned, "error": f"messages[{i}].{err}"}
         cleaned.append(message)
     return {"messages": cleaned}
-
-
-def joined_text(parts: list) -> str:
-    """A content given as a list of parts, as one string: the texts of its text parts joined with newlines,
-    as vLLM joins them. ValueError naming the part (content[j]) that is not a text part."""
-    texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ValueError(f"content[{j}] is a part of type {kind!r}: only text parts are supported"
-                             if kind is not None else f"content[{j}] is not a part with a type, got {part!r}")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"content[{j}] is a text part without text")
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _plain_number(value):

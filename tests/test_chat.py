@@ -12,7 +12,7 @@ from test_inputs import batch_line, write_jsonl
 from test_oracle import MAX_TOKENS, reference_outputs
 from transformers import AutoTokenizer
 
-from engine import LLM, SamplingParams
+from engine import LLM, RequestError, SamplingParams
 from jobs import JobError
 from jobs.generate import generate_job
 
@@ -101,6 +101,20 @@ def test_the_tiny_model_chats_through_chatml(tiny_chat, one_thread):
     assert [len(o.prompt_token_ids) for o in outputs] == [len(text.encode()) for text in CHATML]  # a token a byte
     assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_chat_takes_text_parts_and_tuples_as_vllm_does(tiny_chat, one_thread):
+    """OpenAI's content parts (text parts joined with newlines, as vLLM joins them) and a tuple conversation give
+    the prompt of the same conversation written plainly; a part that is not text is named."""
+    llm, _ = tiny_chat
+    plain = llm.chat([{"role": "user", "content": "first\nsecond"}], SamplingParams(max_tokens=2))[0]
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    for conversation in ([{"role": "user", "content": parts}], ({"role": "user", "content": "first\nsecond"},)):
+        assert llm.chat(conversation, SamplingParams(max_tokens=2))[0].prompt_token_ids == plain.prompt_token_ids
+    image = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(RequestError, match=r"^prompt 0: messages\[0\]\.content\[1\] is a part of type "
+                                           r"'image_url': only text parts are supported$"):
+        llm.chat([{"role": "user", "content": image}])
 
 
 def test_a_conversation_column_on_the_tiny_model(make_config, tiny_chat, tmp_path, one_thread):
