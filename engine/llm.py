@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from engine.config import engine_config
 from engine.engine import LLMEngine
@@ -186,20 +187,23 @@ class LLM:
 
     # -- everything at once --------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """One RequestOutput per prompt, in input order. A prompt is text, token ids, or vLLM's dict
         prompts {"prompt": text} and {"prompt_token_ids": ids}; `prompts` is one or a list of them.
         RequestError, before any work, when a prompt cannot run (not a prompt, empty, a token id outside
-        the vocabulary, too long for max_model_len or for the pool), naming `prompts[index]`."""
+        the vocabulary, too long for max_model_len or for the pool), naming `prompts[index]`. use_tqdm: a
+        progress bar of the requests finished (vLLM's keyword)."""
         if _is_one_prompt(prompts):
-            return self._run_all([prompt_request(0, prompts, "prompts")], sampling_params)
+            return self._run_all([prompt_request(0, prompts, "prompts")], sampling_params, use_tqdm=use_tqdm)
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a prompt ({PROMPT_KINDS}) or a list of prompts, got {prompts!r}")
-        return self._run_all([prompt_request(i, p, f"prompts[{i}]") for i, p in enumerate(prompts)], sampling_params)
+        return self._run_all([prompt_request(i, p, f"prompts[{i}]") for i, p in enumerate(prompts)], sampling_params,
+                             use_tqdm=use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, *, use_tqdm: bool = False) -> list[RequestOutput]:
         """generate() on conversations (lists of {"role", "content"}), through the tokenizer's chat template
         with the generation prompt added."""
         self.check_chat_template()
@@ -208,14 +212,15 @@ class LLM:
                                f"got {messages!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run_all([Request(i, messages=m) for i, m in enumerate(conversations)], sampling_params,
-                             chat_template_kwargs)
+                             chat_template_kwargs, use_tqdm)
 
     def check_chat_template(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"model {self.cfg.model.name!r} has no chat template (its tokenizer sets none), "
                               f"which conversations need")
 
-    def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None) -> list[RequestOutput]:
+    def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         for request, params in zip(requests, per_request(sampling_params, len(requests))):
             request.sampling_params = params
         with frozen_heap():
@@ -223,7 +228,9 @@ class LLM:
             failed = next(((request, error) for request, _, error in checked if error), None)
             if failed:  # every prompt checked before any work, as vLLM does
                 raise RequestError(f"prompt {failed[0].request_id}: {failed[1]}")
-            return sorted(self._serve(checked, None), key=lambda out: out.request_id)
+            with tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                outputs = [bar.update(1) or out for out in self._serve(checked, None)]
+            return sorted(outputs, key=lambda out: out.request_id)
 
     # -- streaming -----------------------------------------------------------------------------------
     def stream(self, requests: Iterable[Request], window: int | None = None,

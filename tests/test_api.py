@@ -269,6 +269,18 @@ def test_repeated_prompts_draw_apart_unless_they_share_a_seed(tiny):
     assert len({tuple(o.outputs[0].token_ids) for o in shared}) == 1
 
 
+def test_use_tqdm_shows_the_requests_finished(tiny, capsys):
+    """vLLM's keyword: a progress bar of the requests (on stderr) with use_tqdm=True, none without; the same outputs."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    quiet = tiny.generate(["a", "b", "c"], params)
+    assert capsys.readouterr().err == ""
+    shown = tiny.generate(["a", "b", "c"], params, use_tqdm=True)
+    bar = capsys.readouterr().err
+    assert "generate: 100%" in bar and "3/3" in bar, bar
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
+    assert len(tiny.chat([{"role": "user", "content": "hi"}], params, use_tqdm=True)) == 1
+
+
 @pytest.mark.parametrize("stop_at", [1, 2, 5])
 def test_an_interrupted_generate_leaves_the_llm_as_new(tiny, monkeypatch, stop_at):
     """Ctrl-C (or any error) at the N-th step's launch, after the scheduler has taken its slots: the next call
