@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.config import set_sampling
 from engine.errors import ConfigError
-from engine.models.loader import eos_ids, read_json_config
+from engine.models.loader import eos_ids, model_spec, read_json_config, resolve_model_path
 from engine.sequence import SamplingParams
 
 log = logging.getLogger("minipaged")
@@ -27,12 +27,20 @@ def read_generation_config(path: Path | None) -> dict:
     return read_json_config(file) if file is not None and file.is_file() else {}
 
 
-def stop_ids(config_eos: list[int], generation: dict) -> frozenset[int]:
+def stop_ids(config_eos: list[int], generation: dict, logged: bool = True) -> frozenset[int]:
     """The union of config.json's and generation_config.json's end-of-sequence ids, logged."""
     generation_eos = eos_ids(generation.get("eos_token_id"))
     ids = frozenset(config_eos) | frozenset(generation_eos)
-    log.info("end of sequence: token ids %s (config.json %s, %s %s)", sorted(ids), config_eos, FILE, generation_eos)
+    if logged:
+        log.info("end of sequence: token ids %s (config.json %s, %s %s)", sorted(ids), config_eos, FILE,
+                 generation_eos)
     return ids
+
+
+def model_stop_ids(model_cfg) -> frozenset[int]:
+    """stop_ids of the model that model.* names, from its config files alone (no model built), unlogged."""
+    path = resolve_model_path(model_cfg)
+    return stop_ids(model_spec(model_cfg, path)[2], read_generation_config(path), logged=False)
 
 
 def resolve_sampling(sampling_cfg, generation: dict) -> SamplingParams:

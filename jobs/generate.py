@@ -34,6 +34,7 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.errors import ConfigError, RequestError
+from engine.generation_config import model_stop_ids
 from engine.llm import LLM, Request, RequestOutput
 from engine.outputs import CompletionOutput
 from engine.sequence import SamplingParams
@@ -232,8 +233,9 @@ def generate_job(cfg, directory: Path) -> None:
             schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked,
                                         reasoning=job.reasoning_parser is not None)
             tokenizer = load_tokenizer(cfg.model) if job.output_format == "openai" and asked["logprobs"] else None
+            eos = model_stop_ids(cfg.model) if job.output_format == "openai" else frozenset()
             written = writer.finalize(final_batches(source, columns), final, schema, job.output_format,
-                                      cfg.model.path or cfg.model.name, tokenizer)
+                                      cfg.model.path or cfg.model.name, tokenizer, eos)
     except KeyboardInterrupt as err:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the save short
             signal.signal(sig, signal.SIG_IGN)

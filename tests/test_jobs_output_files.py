@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from engine.tokenizer import byte_level_tokenizer
 from jobs import JobError
 from jobs.generate import open_input
-from jobs.results import TokenPieces
+from jobs.results import TokenPieces, openai_line
 
 
 NO_EOS = "sampling.ignore_eos=true"  # every row runs to its max_tokens
@@ -103,3 +103,16 @@ def test_token_bytes_are_the_tokens_own_for_a_byte_level_tokenizer():
     assert all(pieces(t)[0] == "\ufffd" for t in ids)  # alone, no token is a whole character
     eos = tokenizer.eos_token_id
     assert pieces(eos) == ("<|endoftext|>", list(b"<|endoftext|>"))
+
+
+@pytest.mark.parametrize("stop_reason, stop_token_id, expected", [
+    (None, 9, None),  # an EOS (the model's: 9): null, as vLLM's
+    (None, 7, 7),  # a stop id that is not an EOS: the id
+    ("END", None, "END"),  # a stop string
+    (None, None, None),  # the length, or a grammar complete
+])
+def test_the_openai_stop_reason_is_vllms(stop_reason, stop_token_id, expected):
+    sample = {"id": "a", "sample_index": 0, "output_text": "OK", "finish_reason": "stop", "stop_reason": stop_reason,
+              "stop_token_id": stop_token_id, "prompt_tokens": 2, "output_tokens": 3, "error": None}
+    line = openai_line(0, [sample], "m", 0, eos_token_ids=frozenset({9}))
+    assert line["response"]["body"]["choices"][0]["stop_reason"] == expected
