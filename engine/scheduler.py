@@ -303,7 +303,6 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status, seq.block_state, seq.finish_reason = Status.FINISHED, None, reason
 
-
     def abort_all(self) -> None:
         """Retire every queued and running sequence (finish_reason "abort") and free every sequence's blocks,
         whatever step was stopped half-way: the block manager's sequences are released, not the running
