@@ -67,7 +67,8 @@ class Qwen3ReasoningParser(ReasoningParser):
         return (body, "") if leading or opened_in_prompt else (None, text)
 
     def prompt_opened_reasoning(self, prompt_token_ids: list[int]) -> bool:
-        return self._last_tag(prompt_token_ids) == self.start_token_id
+        last = self._last_tag(prompt_token_ids)
+        return last is not None and prompt_token_ids[last] == self.start_token_id
 
     def reasoning_ended(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> bool:
         """True once </think> is among the outputs, or when the prompt closed the block itself: its last
@@ -79,17 +80,15 @@ class Qwen3ReasoningParser(ReasoningParser):
     def prompt_closed_reasoning(self, prompt_token_ids: list[int]) -> bool:
         """Whether the prompt ends in a closed think block (then whitespace only): a question about the
         prompt alone, which a caller may ask once per request."""
-        for i in range(len(prompt_token_ids) - 1, -1, -1):
-            if prompt_token_ids[i] == self.start_token_id:
-                return False
-            if prompt_token_ids[i] == self.end_token_id:
-                return not self.tokenizer.decode(prompt_token_ids[i + 1:]).strip()
-        return False
+        last = self._last_tag(prompt_token_ids)
+        if last is None or prompt_token_ids[last] != self.end_token_id:
+            return False
+        return not self.tokenizer.decode(prompt_token_ids[last + 1:]).strip()
 
     def _last_tag(self, token_ids: list[int]) -> int | None:
-        """The last think tag (its id) among token_ids, None if there is none."""
+        """The position of the last think tag (<think> or </think>) in token_ids, None if there is none."""
         tags = (self.start_token_id, self.end_token_id)
-        return next((t for t in reversed(token_ids) if t in tags), None)
+        return next((i for i in range(len(token_ids) - 1, -1, -1) if token_ids[i] in tags), None)
 
 
 REASONING_PARSERS = {"qwen3": Qwen3ReasoningParser}  # vLLM's --reasoning-parser names

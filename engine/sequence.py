@@ -67,9 +67,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # an output constraint: json, regex, choice, grammar or json_object
 
     def __post_init__(self):
-        for name, value in NONE_MEANS.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
+        if self.max_tokens is None:
+            object.__setattr__(self, "max_tokens", UNLIMITED_TOKENS)
         for name, kind in FIELD_KINDS.items():
             object.__setattr__(self, name, _convert(name, getattr(self, name), kind))
         problem = self.problem()
@@ -188,7 +187,7 @@ _ELEMENT_OK = {str: lambda v: isinstance(v, str),
                                                           isinstance(v, float) and v.is_integer())}
 FIELD_KINDS = {name: _kind(kind) for name, kind in typing.get_type_hints(SamplingParams).items()}
 # max_tokens None (vLLM's): as many as max_model_len leaves room for (the engine caps prompt + outputs at it)
-NONE_MEANS = {"max_tokens": 2**31 - 1}
+UNLIMITED_TOKENS = 2**31 - 1
 
 
 def takes_one_value(name: str) -> bool:
