@@ -180,7 +180,6 @@ class ModelRunner:
         if any(s.constraint is not None for s in drawing):
             masks = self._start_masks(drawing, output_index, previous, previous_tokens, step)
 
-        @torch.inference_mode()  # it may run after launch returns (InFlight.drawn), on launch's tensors
         def sample() -> "tuple[torch.Tensor, StepInputs, StepLogprobs | None]":
             drawn_from = processed if masks is None else self._masked(processed, logits, step, *masks)
             inputs = StepInputs(step, batch, starts, drawing, drawn_from, params, recorded_event(self.device))
@@ -399,7 +398,8 @@ class InFlight:
         its tokens are read, whichever comes first."""
         if self.draw is not None:
             draw, self.draw = self.draw, None
-            tokens, self.inputs, self.logprobs = draw()
+            with torch.inference_mode():  # launch's tensors are inference tensors, and a draw may come after it
+                tokens, self.inputs, self.logprobs = draw()
             self.device_tokens = tokens if self.steps is None else tokens[-1]  # a run's: its last step's
             self.host_tokens, self.copied = to_host(tokens), recorded_event(tokens.device)
         return self
