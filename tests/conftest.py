@@ -78,7 +78,7 @@ def qwen3_checkpoint(tmp_path_factory):
     tokenizer = byte_level_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=96, intermediate_size=192, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=2048,
         initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None, pad_token_id=tokenizer.eos_token_id,
     )

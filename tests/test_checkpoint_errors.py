@@ -59,3 +59,21 @@ def test_a_broken_tokenizer_is_named(qwen3_checkpoint, tmp_path, make_config):
 def test_an_odd_head_dim_of_random_weights_is_named(make_config):
     with pytest.raises(ConfigError, match=r"^model.head_dim 3 is odd: RoPE rotates pairs of dimensions$"):
         build_model(make_config("model.head_dim=3").model, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("max_model_len, refused", [(257, True), (256, False)])
+def test_a_max_model_len_past_the_checkpoints_positions_is_named(qwen3_checkpoint, tmp_path, make_config,
+                                                                 max_model_len, refused):
+    """The checkpoint says it holds 256 positions (max_position_embeddings): one more is refused up front, with
+    the field and the bound; exactly its positions load, with a RoPE table of as many."""
+    path = shutil.copytree(qwen3_checkpoint[0], tmp_path / "ckpt")
+    edit_config(max_position_embeddings=256)(path)
+    model_cfg = make_config(f"model.path={path}", f"model.max_model_len={max_model_len}").model
+    if refused:
+        with pytest.raises(ConfigError, match=r"^model.max_model_len 257 exceeds the checkpoint's "
+                                              r"max_position_embeddings 256 \(model.path: .*config.json\): set "
+                                              r"model.max_model_len to at most 256$"):
+            build_model(model_cfg, torch.device("cpu"), torch.float32)
+    else:
+        model, _ = build_model(model_cfg, torch.device("cpu"), torch.float32)
+        assert model.model.rotary.cos.shape[0] == 256

@@ -31,7 +31,7 @@ def llama(**changes):
 
     config = LlamaConfig(**{**dict(
         vocab_size=257, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.2,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, initializer_range=0.2,
         tie_word_embeddings=False, rope_parameters=LLAMA3, eos_token_id=256, bos_token_id=None, pad_token_id=256),
         **changes})
     return LlamaForCausalLM(config)
@@ -43,7 +43,7 @@ def qwen2():
 
     config = Qwen2Config(
         vocab_size=257, hidden_size=112, intermediate_size=192, num_hidden_layers=2, num_attention_heads=7,
-        num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=True,
+        num_key_value_heads=1, max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=True,
         eos_token_id=256, bos_token_id=None, pad_token_id=256)
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():

@@ -131,6 +131,8 @@ def model_spec(model_cfg, path: Path | None) -> tuple[type[DecoderForCausalLM], 
     else:
         config, where, eos = random_weights_config(model_cfg), "model", [model_cfg.eos_token_id]
     check_shape_values(config, where)
+    if path:
+        check_context(config.get("max_position_embeddings"), model_cfg.max_model_len, where)
     cls = model_class(config, where)
     arch = cls.arch_from_config(config, where)
     if arch.head_dim % 2:
@@ -306,6 +308,14 @@ def init_random_weights(part: nn.Module, prefix: str, generator: torch.Generator
                 param.zero_()
             else:
                 param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * std)
+
+
+def check_context(max_positions, max_model_len: int, where: str) -> None:
+    """A checkpoint's positions cover model.max_model_len: past its max_position_embeddings (the context it was
+    trained for, its RoPE scaling included) its outputs are not its own (vLLM refuses them too)."""
+    if isinstance(max_positions, int) and not isinstance(max_positions, bool) and 0 < max_positions < max_model_len:
+        raise ConfigError(f"model.max_model_len {max_model_len} exceeds the checkpoint's max_position_embeddings "
+                          f"{max_positions} ({where}): set model.max_model_len to at most {max_positions}")
 
 
 def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
