@@ -290,10 +290,12 @@ class KVBlockManager:
         return state
 
     def _resize_rows(self, num_rows: int, width: int) -> None:
-        """Grow table_rows to num_rows rows and at least width columns (doubling), keeping its contents."""
+        """Grow table_rows to num_rows rows and at least width columns, keeping its contents. Columns double
+        only when a table outgrows them: fewer than twice the longest table held (and at least 8)."""
         old_rows, old_width = self.table_rows.shape
         if num_rows > old_rows or width > old_width:
-            grown = np.full((num_rows, max(width, 2 * old_width, 8)), -1, dtype=np.int32)
+            new_width = old_width if width <= old_width else max(width, 2 * old_width, 8)
+            grown = np.full((max(num_rows, old_rows), new_width), -1, dtype=np.int32)
             grown[:old_rows, :old_width] = self.table_rows
             self.table_rows = grown
 

@@ -156,3 +156,19 @@ def test_a_decode_batch_fits_and_is_placed_as_one_token_at_a_time(block_size, le
     assert manager.get_block_table_tensor(ids).tolist() == [t + [-1] * (width - len(t)) for t in tables]
     assert manager.get_block_table_tensor(ids, width + 2).tolist() == [t + [-1] * (width + 2 - len(t)) for t in tables]
     assert manager.invariants_ok()
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.integers(1, 8), lengths=st.lists(st.integers(1, 200), min_size=1, max_size=300))
+def test_the_table_rows_are_as_wide_as_the_longest_table_not_as_the_rows_are_many(block_size, lengths):
+    """Sequences of these lengths live at once: table_rows has a row for each and fewer than twice the longest
+    table's columns (8 at least), however many rows it grew to (a table of 2,048 rows was once 65,536 columns
+    wide, its growth a 0.3 s np.full inside a step)."""
+    manager = KVBlockManager(num_physical_blocks=sum(-(-n // block_size) for n in lengths), block_size=block_size)
+    for sid, length in enumerate(lengths):
+        manager.create_sequence(sid)
+        manager.append_tokens(sid, length)
+    longest = max(-(-n // block_size) for n in lengths)
+    rows, width = manager.table_rows.shape
+    assert rows >= len(lengths) and longest <= width <= max(8, 2 * longest - 1)
+    assert manager.invariants_ok()
