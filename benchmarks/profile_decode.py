@@ -1,9 +1,9 @@
 """Where a decode step's time goes on the GPU: busy share and host overhead per step.
 
-Builds the engine on the Qwen3-0.6B shape, prefills N prompts, then times decode steps: wall time
-(no profiler), summed kernel time (torch.profiler, CUDA activity only), their difference per step as
-the host overhead, the kernel time per step by kernel, the host time of each phase of a step, and
-cProfile's top host functions.
+Builds the engine on the Qwen3-0.6B shape, prefills N prompts, then times decode steps (device steps: an
+engine.step() of a decode run takes several): wall time (no profiler), summed kernel time (torch.profiler,
+CUDA activity only), their difference per step as the host overhead, the kernel time per step by kernel, the
+host time of each phase of a step, and cProfile's top host functions.
 Usage: [MODEL=llama-3.2-1b] [OVERRIDES="cache.cascade_attention=off ..."] python3 benchmarks/profile_decode.py
        [--host] SEQS:CONTEXT[+PREFIX] [...]
 CONTEXT is a prompt length or a range LO-HI (lengths uniform in it, as in the nano workload); +PREFIX puts
@@ -70,18 +70,18 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
     bytes_per_token = engine.kv_cache.bytes / (engine.num_blocks * engine.block_size)
     logical = sum(s.sequence_length for s in engine.block_manager.sequences.values())  # shared ones per row
     kv_floor = logical * bytes_per_token / COPY_BYTES_PER_S
-    wall = timed_steps(engine, steps)
-    _, busy, by_kernel = kernel_seconds(run_steps, engine, steps)
+    timed, wall = synced(run_steps, engine, steps)
+    profiled, busy, by_kernel = kernel_seconds(run_steps, engine, steps)
     shape = f"{context}+{prefix_len}" if prefix_len else context
-    print(f"decode batch {num_seqs}, context {shape}: {wall / steps * 1e3:.2f} ms/step wall, "
-          f"{busy / steps * 1e3:.2f} ms/step GPU busy ({100 * busy / wall:.1f}%), "
-          f"host overhead {(wall - busy) / steps * 1e3:.2f} ms/step, {num_seqs * steps / wall:.0f} tok/s, "
+    print(f"decode batch {num_seqs}, context {shape}: {wall / timed * 1e3:.2f} ms/step wall, "
+          f"{busy / profiled * 1e3:.2f} ms/step GPU busy ({100 * busy / profiled / (wall / timed):.1f}%), "
+          f"host overhead {(wall / timed - busy / profiled) * 1e3:.2f} ms/step, {num_seqs * timed / wall:.0f} tok/s, "
           f"K/V read at copy speed {kv_floor * 1e3:.2f} ms/step, cascade rows {engine.runner.cascade_rows}")
-    print_kernels(by_kernel, steps, 16)
+    print_kernels(by_kernel, profiled, 16)
     if host:
-        phases(engine, lambda: (timed_steps(engine, steps), steps))
+        phases(engine, lambda: synced(run_steps, engine, steps)[::-1])
         profiler = cProfile.Profile()
-        profiler.runcall(timed_steps, engine, steps)
+        profiler.runcall(run_steps, engine, steps)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     if mixed:
         mixed_steps(engine, mixed, add_requests)
@@ -89,12 +89,11 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
 
 
 def prefill_all(engine) -> int:
-    """Step until no request has prompt tokens left to compute; returns the steps taken."""
-    taken = 0
+    """Step until no request has prompt tokens left to compute; returns the device steps taken."""
+    before = len(engine.stats.steps)
     while any(s.num_uncomputed_tokens > 1 for s in [*engine.scheduler.waiting, *engine.scheduler.running]):
         engine.step()
-        taken += 1
-    return taken
+    return len(engine.stats.steps) - before
 
 
 def mixed_steps(engine, count: int, add_requests) -> None:
@@ -115,10 +114,12 @@ def mixed_steps(engine, count: int, add_requests) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(16)
 
 
-def run_steps(engine, steps: int) -> int:
-    for _ in range(steps):
+def run_steps(engine, calls: int) -> int:
+    """engine.step() `calls` times; returns the device steps they took (a decode run takes several a call)."""
+    before = len(engine.stats.steps)
+    for _ in range(calls):
         engine.step()
-    return steps
+    return len(engine.stats.steps) - before
 
 
 def synced(fn, *args):
@@ -128,10 +129,6 @@ def synced(fn, *args):
     result = fn(*args)
     torch.cuda.synchronize()
     return result, time.perf_counter() - start
-
-
-def timed_steps(engine, steps: int) -> float:
-    return synced(run_steps, engine, steps)[1]
 
 
 def kernel_seconds(fn, *args) -> tuple[object, float, dict[str, tuple[float, int]]]:
