@@ -127,13 +127,17 @@ def num_blocks_for(cache_cfg, per_block: int, device: torch.device, max_model_le
     return blocks
 
 
+def memory_available(device: torch.device) -> tuple[int, str]:
+    """(bytes available on `device` now, what they are, for a message)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free on {device}"
+    return host_memory_available(), "available on the host"
+
+
 def check_pool_fits(num_blocks: int, per_block: int, device: torch.device) -> None:
     """Raise ConfigError if a pool of num_blocks would not fit in the memory available on `device` now."""
     need = num_blocks * per_block
-    if device.type == "cuda":
-        available, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
-    else:
-        available, where = host_memory_available(), "of host memory available"
+    available, where = memory_available(device)
     if need > available:
         raise ConfigError(
             f"cache: a KV pool of {num_blocks} blocks ({per_block} bytes each) needs {need / 1e9:.2f} GB, but only "

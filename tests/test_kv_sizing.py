@@ -60,7 +60,7 @@ def test_an_explicit_pool_larger_than_host_memory(make_config, host_memory, over
     with pytest.raises(ConfigError) as err:
         num_blocks_for(cache(make_config, override), PER_BLOCK, CPU, LEN, max_num_seqs=4)
     message = str(err.value)
-    for part in (f"needs {need}", "only 16.00 GB is of host memory available", "cache.kv_budget_gb", "cache.num_blocks"):
+    for part in (f"needs {need}", "only 16.00 GB is available on the host", "cache.kv_budget_gb", "cache.num_blocks"):
         assert part in message
 
 
@@ -175,3 +175,23 @@ def test_the_trial_step_writes_the_same_keys_and_values_whatever_the_block_size(
     for narrow, wide in zip(kv[1], kv[4]):
         torch.testing.assert_close(wide, narrow, rtol=0, atol=0)
     assert kv[4][-1].abs().sum() > 0
+
+
+def test_rope_tables_larger_than_host_memory_are_refused_before_the_build(make_config, host_memory):
+    """The tiny model's tables take 2 x max_model_len x head_dim x 4 bytes: past the memory available the build
+    stops with a message naming the field (a length of 10^12 once failed allocating them, with a traceback);
+    at the most positions that fit, it builds."""
+    from engine.models.loader import build_model, model_spec
+
+    model_cfg = make_config().model
+    _, arch, _ = model_spec(model_cfg, None)
+    fits = 10**6 // (8 * arch.head_dim)  # positions whose tables fit in 1 MB
+    host_memory(10**6)
+    model_cfg.max_model_len = fits + 1
+    with pytest.raises(ConfigError, match=rf"^model.max_model_len {fits + 1}: its RoPE tables alone need [0-9.]+ GB "
+                                          rf"\(cos and sin of head_dim {arch.head_dim} in float32 a position\), but "
+                                          r"only [0-9.]+ GB is available on the host; lower model.max_model_len$"):
+        build_model(model_cfg, CPU, torch.float32)
+    model_cfg.max_model_len = fits
+    model, _ = build_model(model_cfg, CPU, torch.float32)
+    assert model.model.rotary.cos.shape == (fits, arch.head_dim)

@@ -18,6 +18,7 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors import SafetensorError, safe_open
 
 from engine.errors import ConfigError
+from engine.kv_cache import memory_available
 from engine.models.decoder import FOLDED_NORMS, DecoderArch, DecoderForCausalLM, DecoderLayer
 from engine.models.layers import PackedLinear
 from engine.models.moe import StackedExperts
@@ -318,6 +319,16 @@ def check_context(max_positions, max_model_len: int, where: str) -> None:
                           f"{max_positions} ({where}): set model.max_model_len to at most {max_positions}")
 
 
+def check_rope_tables_fit(max_model_len: int, head_dim: int, device: torch.device) -> None:
+    """ConfigError where the RoPE tables of max_model_len positions (cos and sin, head_dim float32 each) would
+    not fit in the memory available on device: a build would fail allocating them, or be killed filling them."""
+    need, (available, where) = 2 * max_model_len * head_dim * 4, memory_available(device)
+    if need > available:
+        raise ConfigError(f"model.max_model_len {max_model_len}: its RoPE tables alone need {need / 1e9:.2f} GB "
+                          f"(cos and sin of head_dim {head_dim} in float32 a position), but only "
+                          f"{available / 1e9:.2f} GB is {where}; lower model.max_model_len")
+
+
 def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
                 group: Collectives | None = None) -> tuple[DecoderForCausalLM, list[int]]:
     """The model on `device` in `dtype`, its FP8 weights dequantized (a checkpoint's) or its projections
@@ -332,6 +343,7 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
     if path:
         check_checkpoint(path)
     cls, arch, eos = model_spec(model_cfg, path)
+    check_rope_tables_fit(model_cfg.max_model_len, arch.head_dim, device)
     if group:
         check_divisible(arch, group.world)
     fmt = weight_format(read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}") if path else None
