@@ -187,7 +187,7 @@ class GenerateProcessor(Processor):
     def __init__(self, job, columns: Columns, samples: int):
         self.job, self.columns = job, columns
         self.samples = samples  # each row's n, unless a row sets its own
-        self.chat_template_kwargs = chat_kwargs(job)
+        self.chat_template_kwargs = chat_kwargs(job, columns)
         self.reasoning_parser = job.reasoning_parser
         self.defaults: SamplingParams | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
@@ -281,8 +281,16 @@ def pending_rows(source: InputFiles, columns: Columns, writer: ResultWriter) -> 
     return ((row, fields) for row, fields in input_rows(source, columns, BATCH_ROWS) if writer.saved[row] < 0)
 
 
-def chat_kwargs(job) -> dict | None:
-    return OmegaConf.to_container(job.chat_template_kwargs) if job.chat_template_kwargs else None
+def chat_kwargs(job, columns: Columns) -> dict | None:
+    """job.chat_template_kwargs as a dict; JobError where no prompt goes through the chat template (they would
+    change nothing, silently)."""
+    if not job.chat_template_kwargs:
+        return None
+    if not (columns.conversation or job.chat_template):
+        raise JobError(f"job.chat_template_kwargs is set, but no prompt goes through the chat template: "
+                       f"job.prompt_column {job.prompt_column!r} holds text and job.chat_template is false (set "
+                       f"job.chat_template=true to apply the template to text prompts)")
+    return OmegaConf.to_container(job.chat_template_kwargs)
 
 
 def check_chat_input(job, columns: Columns, check_chat_template: Callable[[], None]) -> None:

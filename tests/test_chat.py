@@ -79,6 +79,21 @@ def test_a_tokenizer_without_a_template_stops_the_job(make_config, qwen3_checkpo
         run_job(make_config, tmp_path, table, f"model.path={path}", *overrides)
 
 
+def test_chat_template_kwargs_that_no_prompt_would_reach_stop_the_job(make_config, chat_checkpoint, tmp_path,
+                                                                     monkeypatch):
+    """Text prompts without job.chat_template go through no template, so its keywords would change nothing:
+    the job stops before it loads the model, naming both settings (with job.chat_template=true they reach it:
+    test_chat_template_true_makes_a_text_prompt_one_user_message)."""
+    import engine.llm
+
+    monkeypatch.setattr(engine.llm.LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(JobError, match=r"^job.chat_template_kwargs is set, but no prompt goes through the chat "
+                                       r"template: job.prompt_column 'prompt' holds text and job.chat_template is "
+                                       r"false \(set job.chat_template=true"):
+        run_job(make_config, tmp_path, pa.table({"prompt": ["hi"]}), f"model.path={chat_checkpoint}",
+                "job.chat_template_kwargs={brief: true}")
+
+
 # -- the random models' template (engine/tokenizer.py's CHATML_TEMPLATE) -------------------------------------
 CHATML = [  # CONVERSATIONS in ChatML's layout, by hand
     "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
