@@ -61,12 +61,14 @@ META_INPUT, META_MODEL = b"minipaged.input", b"minipaged.model"
 CACHED_PARTS = 8
 
 # The settings that decide what a row's output is: parts written under other values cannot be mixed in.
-# Left out: model.device (auto/cuda name the same device), cache.*, scheduler.* (placement and batching
-# do not change greedy outputs, and a smaller pool is a natural fix to retry with), job.flush_*, and what
-# only shapes the final file (job.keep_columns, job.output_format).
+# Left out: model.device (auto/cuda name the same device), how the steps run (cache.*, scheduler.*,
+# model.cpu_threads, model.enforce_eager, model.piecewise_graphs: placement, batching and launching do not
+# change greedy outputs, and a smaller pool or eager steps are natural fixes to retry with), job.flush_*, and
+# what only shapes the final file (job.keep_columns, job.output_format). Paths compare as the files they name.
 OUTPUT_SETTINGS = ("model", "sampling", "job.input", "job.prompt_column", "job.id_column", "job.chat_template",
                    "job.chat_template_kwargs", "job.reasoning_parser")
-IGNORED_SETTINGS = ("model.device",)
+IGNORED_SETTINGS = ("model.device", "model.cpu_threads", "model.enforce_eager", "model.piecewise_graphs")
+PATH_SETTINGS = ("job.input", "model.path", "model.tokenizer")
 
 RESULT_FIELDS = [
     ("sample_index", pa.int32()), ("prompt", pa.string()), ("output_text", pa.string()),
@@ -146,10 +148,20 @@ def _changed(before: dict, now: dict) -> list:
 
 
 def output_settings(config: dict) -> dict:
-    """The flattened settings of OUTPUT_SETTINGS from a resolved config (a plain dict)."""
+    """The flattened settings of OUTPUT_SETTINGS from a resolved config (a plain dict), a path made absolute
+    (against the working directory) where it names a local file, directory or glob."""
     flat = flatten(config)
-    return {k: v for k, v in flat.items()
+    return {k: local_path(v) if k in PATH_SETTINGS else v for k, v in flat.items()
             if any(k == s or k.startswith(s + ".") for s in OUTPUT_SETTINGS) and k not in IGNORED_SETTINGS}
+
+
+def local_path(value):
+    """value as an absolute path where it is a local path (absolute, existing, or a glob); else (a hub id such
+    as org/name, None) as it is."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    return str(path.resolve()) if path.is_absolute() or path.exists() or any(c in value for c in "*?[") else value
 
 
 class ResultWriter:

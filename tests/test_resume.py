@@ -170,6 +170,26 @@ def test_resuming_with_other_settings_or_another_input_is_refused(make_config, t
                                           "model.device=cpu"), FINGERPRINT)
 
 
+def test_resuming_with_the_same_files_by_other_paths_or_other_execution_settings_is_accepted(make_config, tmp_path,
+                                                                                           monkeypatch):
+    """A relative path and the absolute one of the same file are one input; threads, eager steps and piecewise
+    graphs change how the steps run, not what a row is; another file, or another sampling value, is refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.parquet").write_bytes(b"x")
+    (tmp_path / "other.parquet").write_bytes(b"y")
+    run_dir = tmp_path / "run"
+    writer = ResultWriter(run_dir, 4, make_config("job.input=in.parquet"), FINGERPRINT, flush_every=1)
+    writer.add(row(0))
+    resumed = ResultWriter(run_dir, 4, make_config(f"job.input={tmp_path / 'in.parquet'}", "model.cpu_threads=2",
+                                                   "model.enforce_eager=true", "model.piecewise_graphs=false"),
+                           FINGERPRINT)
+    assert resumed.resumed == 1
+    with pytest.raises(JobError, match=r"other settings \(job.input: '.*in.parquet' -> '.*other.parquet'\)"):
+        ResultWriter(run_dir, 4, make_config("job.input=other.parquet"), FINGERPRINT)
+    with pytest.raises(JobError, match=r"other settings \(model.max_model_len: 2048 -> 1024\)"):
+        ResultWriter(run_dir, 4, make_config("job.input=in.parquet", "model.max_model_len=1024"), FINGERPRINT)
+
+
 def test_resuming_after_the_checkpoint_changed_is_refused(make_config, qwen3_checkpoint, tmp_path):
     """generation_config.json's defaults (the sampling values in effect), the tokenizer's files and the
     weights (size and mtime) are part of what the parts were made with; the sampling.* keys are unchanged."""
