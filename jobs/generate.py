@@ -51,6 +51,7 @@ from jobs.results import PART_SCHEMA, ResultWriter, generations_schema, model_fi
 log = logging.getLogger("minipaged")
 SAMPLE_INPUT = Path(__file__).with_name("sample_prompts.parquet")
 BATCH_ROWS = 1024  # input rows per record batch, read and written
+FINAL_FILES = {"parquet": "generations.parquet", "openai": "generations.jsonl"}  # by job.output_format
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
@@ -227,7 +228,7 @@ def generate_job(cfg, directory: Path) -> None:
                 compute(cfg, source, columns, writer, directory)
             elif source.num_rows:
                 log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")
-            final = directory / ("generations.jsonl" if job.output_format == "openai" else "generations.parquet")
+            final = directory / FINAL_FILES[job.output_format]
             asked = {name: cfg.sampling[name] is not None or name in columns.sampling
                      for name in ("logprobs", "prompt_logprobs")}
             schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked,
@@ -236,6 +237,7 @@ def generate_job(cfg, directory: Path) -> None:
             eos = model_stop_ids(cfg.model) if job.output_format == "openai" else frozenset()
             written = writer.finalize(final_batches(source, columns), final, schema, job.output_format,
                                       cfg.model.path or cfg.model.name, tokenizer, eos)
+            remove_other_final_files(final)
     except KeyboardInterrupt as err:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the save short
             signal.signal(sig, signal.SIG_IGN)
@@ -257,6 +259,16 @@ def generate_job(cfg, directory: Path) -> None:
         _save(writer)
         raise
     log.info("wrote %s: %d %s", final, written, "lines" if job.output_format == "openai" else "rows")
+
+
+def remove_other_final_files(final: Path) -> None:
+    """Removes the final file of the other job.output_format that an earlier run left beside `final`: its rows
+    are the same run's, in a format no longer asked for, and would read as current."""
+    for name in set(FINAL_FILES.values()) - {final.name}:
+        stale = final.with_name(name)
+        if stale.exists():
+            stale.unlink()
+            log.info("removed %s, written by an earlier run with the other job.output_format", stale)
 
 
 def compute(cfg, source: InputFiles, columns: Columns, writer: ResultWriter, directory: Path) -> None:

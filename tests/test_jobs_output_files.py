@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from engine.tokenizer import byte_level_tokenizer
 from jobs import JobError
-from jobs.generate import open_input
+from jobs.generate import generate_job, open_input
 from jobs.results import TokenPieces, openai_line
 
 
@@ -45,9 +45,12 @@ def test_input_columns_named_like_output_or_internal_columns(make_config, tmp_pa
     assert table.column_names[-3:] == ["logprobs", "row", "n"]
     assert [r["row"] for r in rows] == [7] * 4 and [r["n"] for r in rows] == [1, 2, 2, 1]
 
-    final = run(make_config, tmp_path / "openai", f"job.input={path}", NO_EOS, "job.output_format=openai") / \
-        "generations.jsonl"
-    lines = [json.loads(line) for line in final.read_text().splitlines()]
+    # the same run directory again in the other format: its saved rows resumed, the Parquet file replaced
+    directory = tmp_path / "parquet"
+    generate_job(make_config(f"job.input={path}", NO_EOS, "job.output_format=openai", "model.device=cpu",
+                             "model.max_model_len=256", "sampling.max_tokens=3"), directory)
+    assert sorted(p.name for p in directory.glob("generations.*")) == ["generations.jsonl", "generations.parts"]
+    lines = [json.loads(line) for line in (directory / "generations.jsonl").read_text().splitlines()]
     assert [line["custom_id"] for line in lines] == ["0", "1", "2"]  # one line per input row
     choices = [line["response"]["body"]["choices"] for line in lines]
     assert [[c["index"] for c in cs] for cs in choices] == [[0], [0, 1], [0]]
