@@ -92,11 +92,12 @@ def _kind(annotation) -> str:
 def check_overrides(args: list[str]) -> None:
     """ConfigError for what Hydra would reject in these command-line overrides: an unknown key (with the
     closest known one, as key=value and as +key=value alike), a known key appended with +, a value of the
-    wrong type, an option that a config group does not have. Hydra reports syntax errors itself."""
+    wrong type, an option that a config group does not have; one that does not parse (named, on one line)."""
     try:
         overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(args)[0].overrides)
-    except OverrideParseException:
-        return
+    except OverrideParseException as err:
+        raise ConfigError(f"cannot parse the override {err.override!r}: {err.message.splitlines()[0]} (quote a value "
+                          f"that holds brackets, commas, quotes or spaces: Hydra's override grammar)") from None
     jobs = next((_values(o) for o in overrides if o.key_or_group == "job"), [default_options()["job"]])
     for override in overrides:
         key = override.key_or_group
@@ -127,7 +128,7 @@ def check_sweep(args: list[str]) -> None:
     try:
         runs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(parsed.overrides), None)[0]
     except OverrideParseException:
-        return  # Hydra reports the syntax
+        return  # check_overrides, which runs first, reports it
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         for number, overrides in enumerate(runs):
             own = [o for o in overrides if not o.startswith("hydra.")]
