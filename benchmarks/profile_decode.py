@@ -71,12 +71,14 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
     logical = sum(s.sequence_length for s in engine.block_manager.sequences.values())  # shared ones per row
     kv_floor = logical * bytes_per_token / COPY_BYTES_PER_S
     timed, wall = synced(run_steps, engine, steps)
+    grouped = sum(s.cascade_rows for s in engine.stats.steps[-timed:]) / timed  # rows a step that cascade
     profiled, busy, by_kernel = kernel_seconds(run_steps, engine, steps)
     shape = f"{context}+{prefix_len}" if prefix_len else context
     print(f"decode batch {num_seqs}, context {shape}: {wall / timed * 1e3:.2f} ms/step wall, "
           f"{busy / profiled * 1e3:.2f} ms/step GPU busy ({100 * busy / profiled / (wall / timed):.1f}%), "
           f"host overhead {(wall / timed - busy / profiled) * 1e3:.2f} ms/step, {num_seqs * timed / wall:.0f} tok/s, "
-          f"K/V read at copy speed {kv_floor * 1e3:.2f} ms/step, cascade rows {engine.runner.cascade_rows}")
+          f"every row's own K/V at copy speed {kv_floor * 1e3:.2f} ms/step, rows in sharing groups "
+          f"{grouped:.0f} a step")
     print_kernels(by_kernel, profiled, 16)
     if host:
         phases(engine, lambda: synced(run_steps, engine, steps)[::-1])
