@@ -15,7 +15,7 @@ from typing import Any
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 for the most likely token; None for the token drawn when outside the k returned
+    rank: int | None = None  # 1 for the most likely token: 1 + the tokens more likely (vLLM's)
 
 
 Logprobs = list[dict[int, Logprob]]  # per token: {the token: its Logprob, then the k most likely, by rank}
@@ -105,23 +105,23 @@ class OutputProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _logprob_dicts(token_ids, logprobs, tops) -> list[dict[int, Logprob] | None]:
-    """Per position: {its token: Logprob, the k most likely tokens: theirs, by rank}; None where the
-    logprob is None (the first prompt token)."""
+def _logprob_dicts(token_ids, logprobs, ranks, tops) -> list[dict[int, Logprob] | None]:
+    """Per position: {its token: Logprob with its rank, the k most likely tokens: theirs, ranked by their
+    order (a tie keeps the smaller id first)}; None where the logprob is None (the first prompt token)."""
     positions = []
-    for token, logprob, top in zip(token_ids, logprobs, tops or [None] * len(logprobs)):
-        ranked = {t: Logprob(value, rank) for rank, (t, value) in enumerate(top or (), 1)}
-        positions.append(None if logprob is None else {token: ranked.get(token, Logprob(logprob)), **ranked})
+    for token, logprob, rank, top in zip(token_ids, logprobs, ranks, tops or [None] * len(logprobs)):
+        ranked = {t: Logprob(value, order) for order, (t, value) in enumerate(top or (), 1)}
+        positions.append(None if logprob is None else {token: ranked.get(token, Logprob(logprob, rank)), **ranked})
     return positions
 
 
 def output_logprobs(seq) -> Logprobs | None:
     if seq.sampling.logprobs is None:
         return None
-    return _logprob_dicts(seq.output_token_ids, seq.output_logprobs, seq.top_logprobs)
+    return _logprob_dicts(seq.output_token_ids, seq.output_logprobs, seq.output_ranks, seq.top_logprobs)
 
 
 def prompt_logprobs(seq) -> list[dict[int, Logprob] | None] | None:
     if seq.sampling.prompt_logprobs is None:
         return None
-    return _logprob_dicts(seq.prompt_token_ids, seq.prompt_logprobs, seq.prompt_top_logprobs)
+    return _logprob_dicts(seq.prompt_token_ids, seq.prompt_logprobs, seq.prompt_ranks, seq.prompt_top_logprobs)

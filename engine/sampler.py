@@ -284,24 +284,26 @@ class StepLogprobs:
     def __init__(self, device_rows: torch.Tensor, segments: list[PromptSegment]):
         self.host = to_host(device_rows)
         self.segments = segments
-        self._targets = self._tops = None
+        self._targets = self._ranks = self._tops = None
 
-    def _lists(self) -> tuple[list[float], list[tuple[tuple[int, float], ...]]]:
-        """Per row: the target's logprob, and the top (id, logprob) pairs; made once, for all rows, by one
-        tolist per field and zips that run in C (no Python per row: 0.50 -> 0.21 ms a step at 256 rows,
-        k=5, on the CPU). Tuples, not lists: the cyclic GC stops tracking tuples of numbers, while a list
-        per token made its full collections stall the host for ~0.1 s in a run of nano's size."""
+    def _lists(self) -> tuple[list[float], list[int], list[tuple[tuple[int, float], ...]]]:
+        """Per row: the target's logprob and rank, and the top (id, logprob) pairs; made once, for all rows,
+        by one tolist per field and zips that run in C (no Python per row: 0.50 -> 0.21 ms a step at 256
+        rows, k=5, on the CPU). Tuples, not lists: the cyclic GC stops tracking tuples of numbers, while a
+        list per token made its full collections stall the host for ~0.1 s in a run of nano's size."""
         if self._targets is None:
-            targets, top, ids = (x.numpy() for x in ops.unpack_logprobs(self.host))
+            targets, ranks, top, ids = (x.numpy() for x in ops.unpack_logprobs(self.host))
             pairs = zip(ids.ravel().tolist(), top.ravel().tolist())  # the whole step's pairs, row after row
-            self._targets, self._tops = targets.tolist(), list(zip(*[pairs] * top.shape[1]))  # k pairs a row
-        return self._targets, self._tops
+            self._targets, self._ranks = targets.tolist(), ranks.tolist()
+            self._tops = list(zip(*[pairs] * top.shape[1]))  # k pairs a row
+        return self._targets, self._ranks, self._tops
 
     def add_output(self, seq: Sequence, row: int) -> None:
         k = seq.sampling.logprobs
         if k is not None:
-            targets, tops = self._lists()
+            targets, ranks, tops = self._lists()
             seq.output_logprobs.append(targets[row])
+            seq.output_ranks.append(ranks[row])
             if k:
                 seq.top_logprobs.append(tops[row][:k])
 
@@ -312,15 +314,17 @@ class StepLogprobs:
             seq, k = seg.seq, seg.seq.sampling.prompt_logprobs
             if seg.start == 0 and not seq.prompt_logprobs:  # the first token has no logprob
                 seq.prompt_logprobs.append(None)
+                seq.prompt_ranks.append(None)
                 if k:
                     seq.prompt_top_logprobs.append(None)
             done = len(seq.prompt_logprobs) - 1 - seg.start  # rows of this segment already filled
             if done < 0:
                 raise AssertionError(f"request {seq.request_id}: prompt logprobs from position {seg.start} "
                                      f"but only {len(seq.prompt_logprobs)} filled (a prefix-cache hit?)")
-            targets, tops = self._lists()
+            targets, ranks, tops = self._lists()
             rows = slice(seg.row + done, seg.row + seg.length)
             seq.prompt_logprobs.extend(targets[rows])
+            seq.prompt_ranks.extend(ranks[rows])
             if k:
                 seq.prompt_top_logprobs.extend(top[:k] for top in tops[rows])
 

@@ -218,8 +218,10 @@ class Sequence:
     output_text: str | None = None  # set when a stop string ended it: the text, cut; else decode the token ids
     # filled by the sampler (engine/sampler.py) when sampling.logprobs / prompt_logprobs is set:
     output_logprobs: list[float] = field(default_factory=list)  # logprob of each output token (logprobs=k)
+    output_ranks: list[int] = field(default_factory=list)  # and its rank: 1 + the tokens more likely
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # k most likely (k > 0)
     prompt_logprobs: list[float | None] = field(default_factory=list)  # per prompt token, None first
+    prompt_ranks: list[int | None] = field(default_factory=list)  # their ranks, None first
     prompt_top_logprobs: list[tuple[tuple[int, float], ...] | None] = field(default_factory=list)  # k > 0
 
     @property
@@ -280,5 +282,5 @@ class Sequence:
 
     def truncate_outputs(self, num_outputs: int) -> None:
         """Drop the outputs after the first num_outputs (a token drawn past the stop), with their logprobs."""
-        for values in (self.output_token_ids, self.output_logprobs, self.top_logprobs):
+        for values in (self.output_token_ids, self.output_logprobs, self.output_ranks, self.top_logprobs):
             del values[num_outputs:]

@@ -116,17 +116,19 @@ def stop_token_id(sample: CompletionOutput, eos_token_ids: frozenset[int]) -> in
     return sample.token_ids[-1] if ended_by_eos else None
 
 
-def result_rows(out: RequestOutput, eos_token_ids: frozenset[int] = frozenset()) -> list[dict]:
+def result_rows(out: RequestOutput, eos_token_ids: frozenset[int] = frozenset(), logprobs_k: int | None = None,
+                prompt_logprobs_k: int | None = None) -> list[dict]:
     """The part rows (jobs.results.PART_SCHEMA) of a result of LLM.stream: one per sample, or one error row;
-    eos_token_ids: the model's (LLM.eos_token_ids), for stop_token_id."""
+    eos_token_ids: the model's (LLM.eos_token_ids), for stop_token_id; the k's: the request's logprobs and
+    prompt_logprobs (its top entries are the last k of each position)."""
     if out.error:
         return [{"row": out.request_id, "sample_index": 0, "prompt": out.prompt, "finish_reason": "error",
                  "output_tokens": 0, "error": out.error}]
-    prompt_logprobs, prompt_top = flat_logprobs(out.prompt_token_ids, out.prompt_logprobs)
+    prompt_logprobs, prompt_top = flat_logprobs(out.prompt_token_ids, out.prompt_logprobs, prompt_logprobs_k)
     rows = []
     for c in out.outputs:
         by_string = isinstance(c.stop_reason, str)
-        logprobs, top = flat_logprobs(c.token_ids, c.logprobs)
+        logprobs, top = flat_logprobs(c.token_ids, c.logprobs, logprobs_k)
         rows.append({
             "row": out.request_id, "sample_index": c.index, "prompt": out.prompt, "output_text": c.text,
             "output_token_ids": c.token_ids, "finish_reason": c.finish_reason,
@@ -139,18 +141,20 @@ def result_rows(out: RequestOutput, eos_token_ids: frozenset[int] = frozenset())
     return rows
 
 
-def flat_logprobs(token_ids: list[int], positions: list | None) -> tuple[list | None, list | None]:
+def flat_logprobs(token_ids: list[int], positions: list | None, k: int | None) -> tuple[list | None, list | None]:
     """The API's logprobs ({token: Logprob} per position, or None) as two output columns: the logprob of
     each token (None for the first prompt token), and the k most likely [{token_id, logprob}] by rank
-    (None when k = 0)."""
+    (None when k is 0). A position holds its token first, then the k most likely (k + 1 entries), or k
+    entries where its token is one of them."""
     if positions is None:
         return None, None
     logprobs = [None if p is None else p[t].logprob for t, p in zip(token_ids, positions)]
+    if not k:
+        return logprobs, None
     top = [None if p is None else [{"token_id": t, "logprob": lp.logprob}
-                                   for t, lp in sorted(((t, lp) for t, lp in p.items() if lp.rank),
-                                                       key=lambda item: item[1].rank)]
+                                   for t, lp in sorted(list(p.items())[len(p) > k:], key=lambda item: item[1].rank)]
            for p in positions]
-    return logprobs, top if any(top) else None
+    return logprobs, top
 
 
 def final_batches(source: InputFiles, columns: Columns) -> Iterator[pa.RecordBatch]:
@@ -192,6 +196,7 @@ class GenerateProcessor(Processor):
         self.reasoning_parser = job.reasoning_parser
         self.defaults: SamplingParams | None = None
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.logprobs_k: dict[int, tuple[int | None, int | None]] = {}  # rows in flight: their two k's
 
     def max_sequences(self, num_rows: int) -> int | None:
         return None if "n" in self.columns.sampling else num_rows * self.samples
@@ -204,10 +209,13 @@ class GenerateProcessor(Processor):
             llm.prepare_structured_outputs()
 
     def preprocess(self, key: int, fields: dict) -> Request:
-        return to_request(key, fields, self.defaults, self.job.chat_template)
+        request = to_request(key, fields, self.defaults, self.job.chat_template)
+        sampling = request.sampling_params or self.defaults
+        self.logprobs_k[key] = (sampling.logprobs, sampling.prompt_logprobs)  # until its result comes
+        return request
 
     def postprocess(self, out: RequestOutput) -> list[dict]:
-        return result_rows(out, self.eos_token_ids)
+        return result_rows(out, self.eos_token_ids, *self.logprobs_k.pop(out.request_id, (None, None)))
 
 
 def generate_job(cfg, directory: Path) -> None:

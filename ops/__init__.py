@@ -162,16 +162,19 @@ def top_k_top_p_sample(logits, temperature, top_k, top_p, seed, step, backend=No
 
 def logprobs(logits, targets, k, backend=None):
     """Raw log-probabilities, packed for one copy to the host: logits [N, V] of any float dtype, targets
-    int64 [N], 0 <= k <= 32 -> float32 [N, 1 + 2k]: log_softmax(logits)[target], the k largest
-    log-probabilities (descending; ties: smaller id first), their ids as int32 bits (unpack_logprobs)."""
+    int64 [N], 0 <= k <= 32 -> float32 [N, 2 + 2k]: log_softmax(logits)[target], the target's rank (1 + the
+    tokens of a larger logit) as int32 bits, the k largest log-probabilities (descending; ties: smaller id
+    first), their ids as int32 bits (unpack_logprobs)."""
     impl = importlib.import_module("ops.logprob_kernels" if _use_triton(backend, logits) else "ops.sampling_reference")
     return impl.logprobs(logits, targets, k)
 
 
 def unpack_logprobs(packed):
-    """logprobs' output [N, 1 + 2k] -> (target logprob [N], top logprobs [N, k], top ids int32 [N, k])."""
-    k = (packed.shape[1] - 1) // 2
-    return packed[:, 0], packed[:, 1:1 + k], packed.view(torch.int32)[:, 1 + k:]
+    """logprobs' output [N, 2 + 2k] -> (target logprob [N], target rank int32 [N], top logprobs [N, k], top ids
+    int32 [N, k])."""
+    k = (packed.shape[1] - 2) // 2
+    bits = packed.view(torch.int32)
+    return packed[:, 0], bits[:, 1], packed[:, 2:2 + k], bits[:, 2 + k:]
 
 
 def apply_token_bitmask(logits, bitmask, rows=None, backend=None):

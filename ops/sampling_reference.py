@@ -13,7 +13,7 @@ in [0, 2^32), so a request's tokens depend only on its seed, its output index an
         argmax_v score_v; a row at temperature 0 takes argmax_v logits_v.
     top_k_top_p_sample(logits, temperature, top_k[B] i64, top_p[B] f32, seed, step, min_p[B] f32 | None)
         -> i64 [B]: argmax over the kept set K (kept_mask) of the same scores; temperature 0: argmax logits.
-    logprobs(logits[N,V] float, targets[N] i64, k) -> f32 [N, 1 + 2k]   (see logprobs)
+    logprobs(logits[N,V] float, targets[N] i64, k) -> f32 [N, 2 + 2k]   (see logprobs)
     apply_penalties(logits[R,V] f32, token_ids[R,W], prompt_lens[R], num_tokens[R], repetition[R],
                     presence[R], frequency[R]) -> f32 [R,V]   (see apply_penalties; no kernel: torch ops)
     apply_token_bitmask(logits[B,V] float, bitmask[R,W] i32, rows[R] i64 | None) -> logits, in place:
@@ -119,19 +119,22 @@ def _ordered_bits(x):
 
 def logprobs(logits, targets, k):
     """The raw log-probabilities of a batch of logits rows, packed for one copy to the host: float32
-    [N, 1 + 2k] holding, per row, log_softmax(logits)[target], then the k largest log-probabilities in
-    descending order (ties: the smaller token id first), then those k token ids as int32 bits
-    (ops.unpack_logprobs reads them). Entries beyond a row's finite logits are (-inf, id -1)."""
+    [N, 2 + 2k] holding, per row, log_softmax(logits)[target], the target's rank as int32 bits (1 + the
+    tokens of a larger logit: vLLM's), then the k largest log-probabilities in descending order (ties: the
+    smaller token id first), then those k token ids as int32 bits (ops.unpack_logprobs reads them). Entries
+    beyond a row's finite logits are (-inf, id -1)."""
     x = logits.float()
     lse = x.logsumexp(dim=-1)
-    out = torch.empty((x.shape[0], 1 + 2 * k), dtype=torch.float32, device=x.device)
-    out[:, 0] = x.gather(-1, targets[:, None])[:, 0] - lse
+    out = torch.empty((x.shape[0], 2 + 2 * k), dtype=torch.float32, device=x.device)
+    target = x.gather(-1, targets[:, None])
+    out[:, 0] = target[:, 0] - lse
+    out.view(torch.int32)[:, 1] = (x > target).sum(-1).int() + 1
     if k:
         ids = torch.arange(x.shape[-1], device=x.device)
         top_ids = (_ordered_bits(x) * 2**32 - ids).topk(k, dim=-1).indices  # value, then smaller id
         top = x.gather(-1, top_ids)
-        out[:, 1:1 + k] = top - lse[:, None]
-        out.view(torch.int32)[:, 1 + k:] = torch.where(top > float("-inf"), top_ids, -1).int()
+        out[:, 2:2 + k] = top - lse[:, None]
+        out.view(torch.int32)[:, 2 + k:] = torch.where(top > float("-inf"), top_ids, -1).int()
     return out
 
 

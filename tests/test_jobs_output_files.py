@@ -34,7 +34,7 @@ def test_input_columns_named_like_output_or_internal_columns(make_config, tmp_pa
     tokenizer = byte_level_tokenizer()  # the tiny model's vocabulary
     assert [r["output_text"] for r in rows] == [tokenizer.decode(r["output_token_ids"], skip_special_tokens=True)
                                                 for r in rows]  # the output's, not the input's column
-    assert all(r["error"] is None for r in rows)
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows]
     prompt_tokens = [len(p.encode()) for p in PROMPTS]  # byte-level tokenizer
     # prompt_logprobs=1 and 0: a logprob per prompt token (None for the first), the top 1 for k=1
     assert [len(r["prompt_logprobs"] or []) for r in rows] == [prompt_tokens[0], 0, 0, prompt_tokens[2]]

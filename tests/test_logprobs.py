@@ -29,6 +29,13 @@ def hf_log_softmax(hf_model, tokens):
         return hf_model(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
 
 
+def check_rank(rank, expected, token):
+    """rank: 1 + the tokens more likely than `token` in a row of expected log-probabilities, counted where
+    the two differ by more than the tolerance (a near tie may count either way)."""
+    value = expected[token]
+    assert 1 + (expected > value + TOLERANCE).sum().item() <= rank <= 1 + (expected > value - TOLERANCE).sum().item()
+
+
 def check_top(top, expected, k):
     """top: [(id, logprob)] against a row of expected log-probabilities: the k largest values, and
     their ids where the next value is not within the tolerance (a near tie may order either way)."""
@@ -68,9 +75,10 @@ def test_output_logprobs_match_transformers(make_config, qwen3_checkpoint, promp
             assert seq.output_logprobs == seq.top_logprobs == []
             continue
         expected = hf_log_softmax(hf_model, seq.prompt_token_ids + seq.output_token_ids)[len(seq.prompt_token_ids) - 1:]
-        assert len(seq.output_logprobs) == len(seq.output_token_ids)
+        assert len(seq.output_logprobs) == len(seq.output_ranks) == len(seq.output_token_ids)
         for j, token in enumerate(seq.output_token_ids):
             assert abs(seq.output_logprobs[j] - expected[j, token].item()) < TOLERANCE
+            check_rank(seq.output_ranks[j], expected[j], token)
         assert len(seq.top_logprobs) == (len(seq.output_token_ids) if k else 0)
         for j, top in enumerate(seq.top_logprobs):
             check_top(top, expected[j], k)
@@ -94,6 +102,9 @@ def test_the_cumulative_logprob_is_the_sum_of_the_tokens_logprobs(qwen3_checkpoi
         expected = hf_log_softmax(hf_model, prompt + tokens)[len(prompt) - 1:]
         total = sum(expected[j, token].item() for j, token in enumerate(tokens))
         assert abs(out.outputs[0].cumulative_logprob - total) < TOLERANCE * len(tokens)
+        for j, token in enumerate(tokens):  # vLLM's Logprob.rank, inside the k returned or not
+            check_rank(out.outputs[0].logprobs[j][token].rank, expected[j], token)
+    assert any(out.logprobs[j][t].rank > 1 for out in (outs[0].outputs[0],) for j, t in enumerate(out.token_ids))
     assert outs[2].outputs[0].cumulative_logprob is None
 
 
@@ -101,8 +112,10 @@ def check_prompt_logprobs(seq, hf_model):
     prompt, k = seq.prompt_token_ids, seq.sampling.prompt_logprobs
     expected = hf_log_softmax(hf_model, prompt)
     assert len(seq.prompt_logprobs) == len(prompt) and seq.prompt_logprobs[0] is None
+    assert len(seq.prompt_ranks) == len(prompt) and seq.prompt_ranks[0] is None
     for i in range(1, len(prompt)):
         assert abs(seq.prompt_logprobs[i] - expected[i - 1, prompt[i]].item()) < TOLERANCE
+        check_rank(seq.prompt_ranks[i], expected[i - 1], prompt[i])
     if not k:
         assert seq.prompt_top_logprobs == []
         return
@@ -183,7 +196,7 @@ def test_logprobs_kernel_matches_reference(gen, poisoned_outputs, k):
     for cfg in (None, tight):
         got = logprob_kernels.logprobs(logits, targets, k, cfg=cfg)
         msg = f"seed={gen.initial_seed()} cfg={cfg}"
-        assert got.shape == (B, 1 + 2 * k), msg
+        assert got.shape == (B, 2 + 2 * k), msg
         for a, b in zip(ops.unpack_logprobs(got), ops.unpack_logprobs(expected)):
             assert torch.equal(a, b) if a.dtype == torch.int32 else torch.allclose(a, b, atol=1e-5), msg
 
@@ -192,10 +205,13 @@ def test_logprobs_reference_matches_float64_and_a_stable_sort(gen):
     B, V, k = 5, 600, 7
     logits = tied_logits(gen, B, V, pad=0)
     targets = torch.randint(0, V, (B,), generator=gen).to(DEVICE)
-    target, top, ids = ops.unpack_logprobs(sampling_reference.logprobs(logits, targets, k))
+    target, rank, top, ids = ops.unpack_logprobs(sampling_reference.logprobs(logits, targets, k))
     exact = logits.double().log_softmax(-1)
     values, order = exact.sort(dim=-1, descending=True, stable=True)  # ties: the smaller id first
     assert torch.allclose(target.double(), exact.gather(1, targets[:, None])[:, 0], atol=1e-5)
+    for b, t in enumerate(targets.tolist()):  # ties share the better rank
+        row = logits[b].double().tolist()
+        assert rank[b].item() == 1 + sum(value > row[t] for value in row)
     assert torch.allclose(top.double(), values[:, :k], atol=1e-5)
     assert torch.equal(ids.long(), order[:, :k])
 
@@ -203,6 +219,6 @@ def test_logprobs_reference_matches_float64_and_a_stable_sort(gen):
 def test_logprobs_rows_without_enough_finite_logits():
     logits = torch.full((2, 50), float("-inf"))
     logits[0, [4, 9]] = torch.tensor([1.0, 2.0])
-    target, top, ids = ops.unpack_logprobs(ops.logprobs(logits, torch.tensor([9, 0]), 3, backend="torch"))
-    assert ids.tolist() == [[9, 4, -1], [-1, -1, -1]]
+    target, rank, top, ids = ops.unpack_logprobs(ops.logprobs(logits, torch.tensor([9, 0]), 3, backend="torch"))
+    assert ids.tolist() == [[9, 4, -1], [-1, -1, -1]] and rank.tolist() == [1, 1]
     assert top[0, 2].item() == float("-inf") and abs(target[0].item() - (2 - torch.tensor([1.0, 2.0]).logsumexp(0))) < 1e-6

@@ -165,21 +165,24 @@ def test_logprobs_reach_the_api_and_the_columns():
     """What the sampler fills in on a Sequence, as CompletionOutput.logprobs / RequestOutput.prompt_logprobs
     (vLLM's shape: {token: Logprob(logprob, rank)} per position) and as the output columns."""
     seq = Sequence(0, "r", [4, 5, 6], SamplingParams(logprobs=2, prompt_logprobs=1), 10, output_token_ids=[7, 8])
-    seq.output_logprobs, seq.top_logprobs = [-0.1, -2.0], [[(7, -0.1), (9, -1.5)], [(3, -0.5), (9, -1.0)]]
-    seq.prompt_logprobs, seq.prompt_top_logprobs = [None, -1.0, -3.0], [None, [(5, -1.0)], [(2, -0.2)]]
+    seq.output_logprobs, seq.output_ranks = [-0.1, -2.0], [1, 3]
+    seq.top_logprobs = [[(7, -0.1), (9, -1.5)], [(3, -0.5), (9, -1.0)]]
+    seq.prompt_logprobs, seq.prompt_ranks = [None, -1.0, -3.0], [None, 1, 2]
+    seq.prompt_top_logprobs = [None, [(5, -1.0)], [(2, -0.2)]]
     positions = output_logprobs(seq)
     assert positions == [{7: Logprob(-0.1, 1), 9: Logprob(-1.5, 2)},
-                         {8: Logprob(-2.0), 3: Logprob(-0.5, 1), 9: Logprob(-1.0, 2)}]
-    assert flat_logprobs([7, 8], positions) == ([-0.1, -2.0], [
+                         {8: Logprob(-2.0, 3), 3: Logprob(-0.5, 1), 9: Logprob(-1.0, 2)}]
+    assert flat_logprobs([7, 8], positions, 2) == ([-0.1, -2.0], [
         [{"token_id": 7, "logprob": -0.1}, {"token_id": 9, "logprob": -1.5}],
         [{"token_id": 3, "logprob": -0.5}, {"token_id": 9, "logprob": -1.0}]])
     prompt = prompt_logprobs(seq)
-    assert prompt == [None, {5: Logprob(-1.0, 1)}, {6: Logprob(-3.0), 2: Logprob(-0.2, 1)}]
-    assert flat_logprobs([4, 5, 6], prompt) == ([None, -1.0, -3.0], [None, [{"token_id": 5, "logprob": -1.0}],
-                                                                     [{"token_id": 2, "logprob": -0.2}]])
+    assert prompt == [None, {5: Logprob(-1.0, 1)}, {6: Logprob(-3.0, 2), 2: Logprob(-0.2, 1)}]
+    assert flat_logprobs([4, 5, 6], prompt, 1) == ([None, -1.0, -3.0], [None, [{"token_id": 5, "logprob": -1.0}],
+                                                                        [{"token_id": 2, "logprob": -0.2}]])
     zero = Sequence(1, "r", [4], SamplingParams(logprobs=0), 5, output_token_ids=[7])
-    zero.output_logprobs = [-0.3]
-    assert flat_logprobs([7], output_logprobs(zero)) == ([-0.3], None)  # k = 0: no top_logprobs
+    zero.output_logprobs, zero.output_ranks = [-0.3], [2]
+    assert output_logprobs(zero) == [{7: Logprob(-0.3, 2)}]  # its rank, though no top entry is asked for
+    assert flat_logprobs([7], output_logprobs(zero), 0) == ([-0.3], None)  # k = 0: no top_logprobs
     schema = generations_schema(pa.int64(), logprobs=True, prompt_logprobs=True)
     assert schema.field("top_logprobs").type == pa.list_(pa.list_(pa.struct([("token_id", pa.int32()),
                                                                               ("logprob", pa.float32())])))
