@@ -109,6 +109,27 @@ def test_model_is_a_conf_name_a_directory_or_a_hub_id(qwen3_checkpoint):
     assert engine_config("Qwen/Qwen3-0.6B").model.path == "Qwen/Qwen3-0.6B"  # the loader resolves hub ids
 
 
+def test_a_tokenizer_of_its_own_serves_a_checkpoint_that_has_none(qwen3_checkpoint, tmp_path):
+    """vLLM's tokenizer=: the weights' directory without tokenizer files, the tokenizer in another; the same
+    text prompts give the same tokens as the whole checkpoint."""
+    import shutil
+
+    path, _ = qwen3_checkpoint
+    weights, tokenizer = tmp_path / "weights", tmp_path / "tokenizer"
+    weights.mkdir(), tokenizer.mkdir()
+    for file in path.iterdir():
+        model_file = file.name in ("config.json", "generation_config.json") or file.suffix == ".safetensors"
+        shutil.copy(file, weights if model_file else tokenizer)
+    options = dict(device="cpu", dtype="float32", max_model_len=64)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    whole = LLM(str(path), **options)
+    expected = [o.outputs[0].token_ids for o in whole.generate(["hello", "paged"], params)]
+    whole.close()
+    split = LLM(str(weights), tokenizer=str(tokenizer), **options)
+    assert [o.outputs[0].token_ids for o in split.generate(["hello", "paged"], params)] == expected
+    split.close()
+
+
 def test_a_prompt_that_cannot_run_stops_generate_before_any_work(tiny):
     steps = len(tiny.engine.stats.steps)
     with pytest.raises(RequestError, match=r"prompt 1: prompt has 200 tokens; model.max_model_len 128 leaves no room"):

@@ -147,12 +147,14 @@ def eos_ids(value) -> list[int]:
     return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
-def check_checkpoint(path: Path) -> None:
+def check_checkpoint(path: Path, own_tokenizer: bool = True) -> None:
+    """ConfigError naming what the checkpoint directory lacks; own_tokenizer: its tokenizer is read from it
+    (False: model.tokenizer names another)."""
     missing = [what for what, ok in (
         ("config.json", (path / "config.json").is_file()),
         ("*.safetensors weights", any(path.glob("*.safetensors"))),
         ("tokenizer files (tokenizer.json or tokenizer_config.json)",
-         (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()),
+         not own_tokenizer or (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()),
     ) if not ok]
     if missing:
         raise ConfigError(f"model.path {str(path)!r} lacks {', '.join(missing)}")
@@ -341,7 +343,7 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
     model is built (engine/models/tensor_parallel.py), so a rank holds its share and one part beyond it."""
     path = resolve_model_path(model_cfg)
     if path:
-        check_checkpoint(path)
+        check_checkpoint(path, own_tokenizer=not model_cfg.tokenizer)
     cls, arch, eos = model_spec(model_cfg, path)
     check_rope_tables_fit(model_cfg.max_model_len, arch.head_dim, device)
     if group:
