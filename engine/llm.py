@@ -239,8 +239,10 @@ class LLM:
 
         At most `window` requests (default 2 * max_num_seqs) are in the engine at once: the next request
         is pulled from `requests` and tokenized only when one leaves, so memory is bounded by the window
-        whatever the length of `requests`. A request that cannot run yields an error result at once."""
-        return self._serve((self._checked(request, chat_template_kwargs) for request in requests), window)
+        whatever the length of `requests`. A request that cannot run yields an error result at once; an item
+        that is not a Request stops the stream with a TypeError naming it."""
+        return self._serve((self._checked(stream_request(i, request), chat_template_kwargs)
+                            for i, request in enumerate(requests)), window)
 
     def _serve(self, checked: Iterable[tuple[Request, list[int] | None, str | None]],
                window: int | None) -> Iterator[RequestOutput]:
@@ -318,9 +320,11 @@ class LLM:
             return request.prompt_token_ids
         if request.messages is not None:
             messages = text_messages(request.messages)
+            # vLLM's defaults, which the kwargs may override (continue_final_message: no generation prompt)
+            options = {"add_generation_prompt": not (chat_template_kwargs or {}).get("continue_final_message"),
+                       **(chat_template_kwargs or {}), "tokenize": True, "return_dict": False}
             try:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False, **(chat_template_kwargs or {}))
+                return self.tokenizer.apply_chat_template(messages, **options)
             except Exception as err:  # a malformed conversation fails in the template (Jinja, KeyError, ...)
                 raise RequestError(f"chat template failed on this conversation: {err}") from None
         if request.prompt is None:
@@ -328,6 +332,14 @@ class LLM:
         if not request.prompt:
             raise RequestError("prompt is empty")
         return self.tokenizer.encode(request.prompt)  # with its special tokens (a BOS), as vLLM
+
+
+def stream_request(index: int, item) -> Request:
+    """Item `index` of a stream, which must be a Request (it has no request id to report an error result under)."""
+    if not isinstance(item, Request):
+        raise TypeError(f"stream: item {index} is {type(item).__name__} {item!r:.60}, not a Request (generate takes "
+                        f"prompts: text, token ids or dicts)")
+    return item
 
 
 def check_run_sampling(engine: LLMEngine, sampling: SamplingParams) -> None:

@@ -363,6 +363,12 @@ def test_a_malformed_request_in_a_stream_is_its_error_result(tiny, request_, err
     assert results[1].error is None and results[1].outputs[0].token_ids
 
 
+def test_a_stream_item_that_is_not_a_request_is_named(tiny):
+    with pytest.raises(TypeError, match=r"^stream: item 1 is str 'hello', not a Request \(generate takes prompts"):
+        list(tiny.stream([Request(0, prompt="x"), "hello"]))
+    assert [o.request_id for o in tiny.stream([Request(5, prompt="x")])] == [5]  # the LLM goes on
+
+
 @pytest.mark.parametrize("window", [0, -1, 2.5, True])
 def test_a_window_below_one_is_an_error(tiny, window):
     with pytest.raises(ValueError, match=f"window must be a whole number >= 1, got {window!r}"):
@@ -386,3 +392,10 @@ def test_chat_applies_the_chat_template(chat_checkpoint, checkpoint_llm):
         assert [o.prompt_token_ids for o in outputs] == [o.prompt_token_ids for o in expected]
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     assert llm.chat(conversations[0])[0].request_id == 0  # one conversation alone
+    # vLLM's defaults give way to the kwargs: no generation prompt; a final assistant message continued
+    started = conversations[0] + [{"role": "assistant", "content": "well"}]
+    for conversation, kwargs, rendered in (
+            (conversations[0], {"add_generation_prompt": False}, "<|user|>hi\n"),
+            (started, {"continue_final_message": True}, "<|user|>hi\n<|assistant|>well")):
+        (output,) = llm.chat(conversation, params, chat_template_kwargs=kwargs)
+        assert output.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
