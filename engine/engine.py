@@ -278,7 +278,7 @@ class LLMEngine:
         first, rest = samples[0], samples[1:]
         if sampling.stop:
             for seq in samples:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         self.scheduler.add(first)
         if first.scores_prompt:
             for seq in rest:

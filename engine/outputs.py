@@ -11,6 +11,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.detokenizer import decode_after
+
 
 @dataclass
 class Logprob:
@@ -102,7 +104,7 @@ class OutputProcessor:
         ids = seq.output_token_ids
         if seq.finish_reason == "stop" and not seq.sampling.include_stop_str_in_output:
             ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_after(self.tokenizer, seq.prompt_token_ids, ids)
 
 
 def _logprob_dicts(token_ids, logprobs, ranks, tops) -> list[dict[int, Logprob] | None]:

@@ -137,6 +137,69 @@ def test_incremental_detokenization_equals_decoding_everything(tokens):
         assert n - detokenizer.prefix_offset <= 8 or "\ufffd" in held
 
 
+def sentencepiece_tokenizer():
+    """A Llama-2-like tokenizer: Metaspace pre-tokenizer, a decoder that turns "\u2581" into spaces and strips the
+    text's first one; a word's token holds its leading space, which it loses when decoded first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.train_from_iterator(["Hello world, the quick brown fox jumps over the lazy dog."] * 50,
+                                  trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_outputs_decode_after_their_prompt_as_vllms_do():
+    """With a SentencePiece tokenizer the output text is what it adds to its prompt's text (oracle: the whole
+    sequence decoded at once), the leading space of its first word kept, token by token and in one decode."""
+    from engine.detokenizer import decode_after
+
+    tokenizer = sentencepiece_tokenizer()
+    prompt = tokenizer.encode("Hello world")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        outputs = torch.randint(3, len(tokenizer), (8,), generator=generator).tolist()
+        whole = tokenizer.decode(prompt + outputs, skip_special_tokens=True)
+        expected = whole[len(tokenizer.decode(prompt, skip_special_tokens=True)):]
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+        for token in outputs:
+            detokenizer.add(token)
+        assert detokenizer.text == expected == decode_after(tokenizer, prompt, outputs)
+    word = tokenizer.convert_tokens_to_ids("\u2581brown")
+    assert decode_after(tokenizer, prompt, [word]) == " brown" and tokenizer.decode([word]) == "brown"
+
+
+def test_a_sentencepiece_checkpoints_text_reads_on_from_its_prompt(tmp_path):
+    """The engine's texts: prompt + text is the whole sequence decoded; a stop string that starts the output
+    (a word's leading space included) stops it at its first token."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = sentencepiece_tokenizer()
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2)
+                     ).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=64)
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(8)]
+    heads = []  # the outputs' first three characters where they start a word
+    for out in llm.generate(["Hello"] * 8, params):
+        completion = out.outputs[0]
+        whole = tokenizer.decode(out.prompt_token_ids + completion.token_ids, skip_special_tokens=True)
+        assert tokenizer.decode(out.prompt_token_ids, skip_special_tokens=True) + completion.text == whole
+        heads.append(completion.text[:3] if completion.text.startswith(" ") else None)
+    assert any(heads)
+    # those as stop strings: the detokenizer's text starts with them too, so each stops at once
+    stopped = llm.generate(["Hello"] * 8, [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True,
+                                                          stop=[head or "zzz"]) for s, head in enumerate(heads)])
+    for out, head in zip(stopped, heads):
+        if head:
+            assert (out.outputs[0].text, out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("", "stop", head)
+    llm.close()
+
+
 def test_stop_columns_and_settings_in_the_job(make_config, tiny, full_outputs, tmp_path, one_thread):
     (p0, ids0, text0), (p1, ids1, text1) = full_outputs[:2]
     row_stop, config_stop = text0[5:7], text1[8:10]
