@@ -14,9 +14,9 @@ from engine.block_manager import KVBlockManager, blocks_needed
 from engine.config import cpu_threads
 from engine.constraint import Constraint
 from engine.cuda_graphs import PIECE_MAX_TOKENS, bucket_sizes
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, decode_after
 from engine.errors import ConfigError, RequestError
-from engine.generation_config import read_generation_config, stop_ids
+from engine.generation_config import read_generation_config, silent_eos, stop_ids
 from engine.kernel_compiles import CompilePool, run_compiled_ahead, start_compile_pool
 from engine.kv_cache import PagedKVCache, bytes_per_block, cache_dtype, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
@@ -166,6 +166,7 @@ class LLMEngine:
             raise ConfigError(f"model.tokenizer: its {len(self.tokenizer)} tokens do not fit the model's vocabulary "
                               f"of {self.model.arch.vocab_size}")
         self.reasoning_parser = make_reasoning_parser(reasoning_parser, self.tokenizer) if reasoning_parser else None
+        self.silent_eos = silent_eos(self.eos_token_ids, self.tokenizer.eos_token_id)
         laps.lap("tokenizer")
         self.block_size = cfg.cache.block_size
         self.prefix_caching = cfg.cache.enable_prefix_caching
@@ -447,7 +448,8 @@ class LLMEngine:
         it only for rows that one of its conditions could end: a new condition goes into that test too."""
         p = seq.sampling
         stopping = index + 1 >= p.min_tokens
-        if stopping and token in self.eos_token_ids and not p.ignore_eos:  # first, as vLLM: stop_reason None
+        if stopping and token in self.eos_token_ids and not p.ignore_eos:  # first, as vLLM
+            seq.stop_reason = None if token in self.silent_eos else token
             return "stop"
         if stopping and token in p.stop_token_ids:
             seq.stop_reason = token
@@ -455,7 +457,7 @@ class LLMEngine:
         if seq.detokenizer is not None and self._stop_string(seq, token, stopping):
             return "stop"
         if seq.constraint is not None and seq.constraint.finished:  # the grammar is complete: all of it is text
-            seq.output_text = self.tokenizer.decode(seq.output_token_ids[:index + 1], skip_special_tokens=True)
+            seq.output_text = decode_after(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids[:index + 1])
             return "stop"
         if len(seq.prompt_token_ids) + index + 1 >= seq.max_num_tokens:
             return "length"

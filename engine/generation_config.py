@@ -1,7 +1,9 @@
 """A checkpoint's generation_config.json: its end-of-sequence ids and its sampling defaults.
 
 The stop ids of a model are the union of config.json's and generation_config.json's eos_token_id (each
-an int or a list; Qwen3's config.json names <|im_end|>, its generation_config.json <|endoftext|> too).
+an int or a list; Qwen3's config.json names <|im_end|>, its generation_config.json <|endoftext|> too). As in
+vLLM, which makes the ids other than the tokenizer's EOS stop ids, only the tokenizer's EOS ends a sample
+without a stop_reason; the others report their id (silent_eos).
 Sampling settings the user leaves unset (null sampling.* keys) take generation_config.json's values, as
 vLLM does by default (its generation_config="auto"), else SamplingParams' defaults; the log names where
 each one came from. sampling.use_generation_config=false uses only the config and the defaults.
@@ -35,6 +37,12 @@ def stop_ids(config_eos: list[int], generation: dict, logged: bool = True) -> fr
         log.info("end of sequence: token ids %s (config.json %s, %s %s)", sorted(ids), config_eos, FILE,
                  generation_eos)
     return ids
+
+
+def silent_eos(eos_token_ids: frozenset[int], tokenizer_eos: int | None) -> frozenset[int]:
+    """The end-of-sequence ids whose stop reports no stop_reason: the tokenizer's EOS where it is one of
+    eos_token_ids (the others report their id, as vLLM's stop ids from generation_config.json), else all."""
+    return frozenset({tokenizer_eos}) if tokenizer_eos in eos_token_ids else eos_token_ids
 
 
 def model_stop_ids(model_cfg) -> frozenset[int]:

@@ -34,7 +34,7 @@ import torch
 from omegaconf import OmegaConf
 
 from engine.errors import ConfigError, RequestError
-from engine.generation_config import model_stop_ids
+from engine.generation_config import model_stop_ids, silent_eos
 from engine.llm import LLM, Request, RequestOutput
 from engine.outputs import CompletionOutput
 from engine.sequence import SamplingParams
@@ -241,10 +241,10 @@ def generate_job(cfg, directory: Path) -> None:
                      for name in ("logprobs", "prompt_logprobs")}
             schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked,
                                         reasoning=job.reasoning_parser is not None)
-            tokenizer = load_tokenizer(cfg.model) if job.output_format == "openai" and asked["logprobs"] else None
-            eos = model_stop_ids(cfg.model) if job.output_format == "openai" else frozenset()
+            tokenizer = load_tokenizer(cfg.model) if job.output_format == "openai" else None
+            eos = silent_eos(model_stop_ids(cfg.model), tokenizer.eos_token_id) if tokenizer else frozenset()
             written = writer.finalize(final_batches(source, columns), final, schema, job.output_format,
-                                      cfg.model.path or cfg.model.name, tokenizer, eos)
+                                      cfg.model.path or cfg.model.name, tokenizer if asked["logprobs"] else None, eos)
             remove_other_final_files(final)
     except KeyboardInterrupt as err:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the save short

@@ -44,7 +44,9 @@ def test_eos_ids_are_the_union_of_both_files(checkpoint, qwen3_checkpoint, caplo
     assert f"end of sequence: token ids {sorted({config_eos, extra, absent})} (config.json [{config_eos}], " \
            f"generation_config.json [{extra}, {absent}])" in caplog.text
     out = model.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS))[0].outputs[0]
-    assert out.token_ids == ids[:ids.index(extra) + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    # generation_config.json's id beside the tokenizer's EOS is a stop id to vLLM: it reports itself
+    assert model.engine.tokenizer.eos_token_id == config_eos and model.engine.silent_eos == {config_eos}
+    assert out.token_ids == ids[:ids.index(extra) + 1] and out.finish_reason == "stop" and out.stop_reason == extra
     ignoring = model.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].outputs[0]
     assert ignoring.token_ids == ids and ignoring.finish_reason == "length"
     assert llm(checkpoint(eos_token_id=extra)).engine.eos_token_ids == {config_eos, extra}  # an int, not a list
@@ -79,3 +81,11 @@ def test_a_bad_generation_config_is_named(checkpoint):
     path.write_text("{not json")
     with pytest.raises(ConfigError, match=rf"model.path: {path} is not valid JSON \(Expecting property name"):
         llm(str(path.parent))
+
+
+def test_only_the_tokenizers_eos_ends_a_sample_without_a_stop_reason():
+    from engine.generation_config import silent_eos
+
+    assert silent_eos(frozenset({7, 9}), 9) == {9}
+    assert silent_eos(frozenset({7, 9}), 3) == {7, 9}  # the tokenizer's is none of them: all, as before
+    assert silent_eos(frozenset({7, 9}), None) == {7, 9}

@@ -111,9 +111,11 @@ def test_stop_ids_and_eos_respect_min_tokens(tiny, full_outputs):
 
 
 def test_an_eos_that_is_also_a_stop_id_ends_as_eos(tiny, full_outputs, monkeypatch):
-    """As vLLM checks EOS before the stop ids: a token that is both ends the output with stop_reason None."""
+    """As vLLM checks the tokenizer's EOS before the stop ids: a token that is both ends the output with
+    stop_reason None."""
     prompt, ids, _ = full_outputs[1]
     monkeypatch.setattr(tiny.engine, "eos_token_ids", frozenset({ids[1]}))
+    monkeypatch.setattr(tiny.engine, "silent_eos", frozenset({ids[1]}))  # the tokenizer's EOS, as it were
     completion = tiny.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=[ids[1]]))[0].outputs[0]
     assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == (ids[:2], "stop", None)
 
