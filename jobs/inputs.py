@@ -62,7 +62,7 @@ log = logging.getLogger("minipaged")
 CHUNK_BYTES = 1 << 20
 DEFAULT_ID_COLUMN = "id"
 ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row columns: every sampling field
-CONSTRAINT_KEYS = re.compile(rb'"(structured_outputs|response_format)"')  # JSONL lines that constraints_as_text rewrites
+UNIFORM_KEYS = re.compile(rb'"(structured_outputs|response_format|stop)"')  # JSONL lines that uniform_values rewrites
 OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
 JSONL_CODECS = {f"{kind}{suffix}": codec for kind in (".jsonl", ".ndjson")  # by name, in any case
@@ -216,8 +216,8 @@ class InputFiles:
             with pa.input_stream(str(path), compression=jsonl_codec(path)) as stream:
                 for chunk in line_chunks(stream):
                     lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
-                    if CONSTRAINT_KEYS.search(chunk):
-                        chunk = constraints_as_text(chunk)
+                    if UNIFORM_KEYS.search(chunk):
+                        chunk = uniform_values(chunk)
                     if self.content_as_parts:
                         chunk = contents_as_parts(chunk, self.conversation_column)
                     elif schema is None and PART_LISTS.search(chunk):
@@ -349,11 +349,12 @@ def contents_as_parts(chunk: bytes, conversation_column: str | None) -> bytes:
     return b"".join(lines)
 
 
-def constraints_as_text(chunk: bytes) -> bytes:
-    """The chunk's lines with a structured_outputs value and body.response_format as JSON text: pyarrow would
-    read them as structs of every row's keys at once (null where a row's schema has none), and a schema of
-    one row can hold a key of another type than another row's. A chunk with a line that json cannot read is
-    left as it is, for pyarrow to report."""
+def uniform_values(chunk: bytes) -> bytes:
+    """The chunk's lines with the values that may take several JSON types made one: a structured_outputs
+    value and body.response_format as JSON text (pyarrow would read them as structs of every row's keys at
+    once, null where a row's schema has none, and a schema of one row can hold a key of another type than
+    another row's), and a stop string (stop, body.stop) as a list of it, since rows may give either. A chunk
+    with a line that json cannot read is left as it is, for pyarrow to report."""
     lines = []
     for line in chunk.splitlines(keepends=True):
         try:
@@ -366,6 +367,9 @@ def constraints_as_text(chunk: bytes) -> bytes:
         for holder, key in ((row, "structured_outputs"), (row.get("body"), "response_format")):
             if isinstance(holder, dict) and isinstance(holder.get(key), (dict, list)):
                 holder[key] = json.dumps(holder[key])
+        for holder in (row, row.get("body")):
+            if isinstance(holder, dict) and isinstance(holder.get("stop"), str):
+                holder["stop"] = [holder["stop"]]
         lines.append(json.dumps(row).encode() + b"\n")
     return b"".join(lines)
 

@@ -25,6 +25,19 @@ def requests(spec) -> list:
     return [to_request(row, fields, SamplingParams()) for row, fields in input_rows(source, columns, 4)]
 
 
+# -- 0. stop as a string in some rows and a list in others ----------------------------------------------
+def test_stop_strings_and_lists_mix_in_one_jsonl_and_one_batch_file(tmp_path):
+    """Both are vLLM's and OpenAI's forms of stop: a file may mix them (they parsed as clashing column types),
+    and each row's request stops on what it gave."""
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "abc", "stop": "j"},
+                                                   {"prompt": "abd", "stop": ["x", "y"]}, {"prompt": "abe"}])
+    assert [r.sampling_params.stop for r in requests(plain)] == [("j",), ("x", "y"), ()]
+    messages = [{"role": "user", "content": "hi"}]
+    batch = write_jsonl(tmp_path / "batch.jsonl", [batch_line("a", messages, stop="END"),
+                                                   batch_line("b", messages, stop=["END", "###"])])
+    assert [r.sampling_params.stop for r in requests(batch)] == [("END",), ("END", "###")]
+
+
 # -- 1. integer fields given non-integral numbers -----------------------------------------------------
 @pytest.mark.parametrize("field", INT_FIELDS)
 def test_a_fraction_for_an_integer_field_is_an_error_row_in_every_input(tmp_path, field):
