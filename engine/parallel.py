@@ -27,8 +27,8 @@ import torch.distributed as dist
 from engine.config import cpu_threads
 from engine.errors import ConfigError, UserError
 from engine.kv_cache import PagedKVCache
-from engine.models.loader import build_model
-from engine.models.tensor_parallel import Collectives
+from engine.models.loader import build_model, model_spec, resolve_model_path
+from engine.models.tensor_parallel import Collectives, check_divisible
 
 log = logging.getLogger("minipaged")
 JOIN_TIMEOUT_S = 10.0  # a worker that does not stop this long after the stop command is killed
@@ -216,6 +216,8 @@ def build_parallel_model(model_cfg, device: torch.device, dtype: torch.dtype, ti
     """The model split over model.tensor_parallel_size ranks, its workers started; timeout_s bounds each
     collective (None: 30 minutes)."""
     check_world(model_cfg.tensor_parallel_size, device)
+    # here, from the config files, so that a split that cannot be is one message, not a traceback per rank
+    check_divisible(model_spec(model_cfg, resolve_model_path(model_cfg))[1], model_cfg.tensor_parallel_size)
     if dist.is_initialized():
         raise ConfigError("model.tensor_parallel_size: another tensor-parallel engine of this process is still "
                           "open; close it first (LLM.close)")

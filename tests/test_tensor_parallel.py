@@ -157,11 +157,12 @@ def test_a_rank_builds_only_its_share(make_config, monkeypatch):
     assert share.kv_cache_spec.num_kv_heads == arch.num_key_value_heads // 2
 
 
-def test_a_size_that_does_not_divide_the_heads_is_named(qwen3_checkpoint):
+def test_a_size_that_does_not_divide_the_heads_is_named(qwen3_checkpoint, capfd):
     with pytest.raises(ConfigError, match=r"^model.tensor_parallel_size 3 must divide the model's "
                                           r"num_attention_heads \(4\), num_key_value_heads \(2\)"):
         LLM(str(qwen3_checkpoint[0]), dtype="float32", device="cpu", tensor_parallel_size=3)
     assert not torch.distributed.is_initialized()  # the workers stopped: another engine can start
+    assert "Traceback" not in capfd.readouterr().err  # found before any rank started, which printed one each
     with pytest.raises(ConfigError, match=r"model.tensor_parallel_size must be >= 1, got 0"):
         LLM(str(qwen3_checkpoint[0]), device="cpu", tensor_parallel_size=0)
 
