@@ -37,6 +37,7 @@ from engine.hardware import device_rates
 from engine.llm import LLM, Request, RequestOutput
 from engine.models.quantization import fp8_gemms
 from engine.stats import FloorModel, workload_floor_s
+from engine.sequence import SamplingParams
 from engine.structured import StructuredOutputsParams
 from jobs import JobError
 from jobs.common import new_counts, run_dir, summary_row, tally, write_stats
@@ -186,15 +187,30 @@ def hf_generate(llm: LLM, requests, batch_size: int) -> tuple[float, list[list[i
         width, new = max(len(p) for p, _ in batch), max(s.max_tokens for _, s in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
-        greedy = batch[0][1].temperature == 0
         out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                do_sample=not greedy, temperature=None if greedy else batch[0][1].temperature,
-                                top_p=None, top_k=None, pad_token_id=pad)
+                                pad_token_id=pad, **hf_sampling(batch[0][1]))
         outputs += [row[width:width + s.max_tokens].tolist() for row, (_, s) in zip(out, batch)]
         tokens += sum(s.max_tokens for _, s in batch)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return tokens / (time.perf_counter() - start), outputs
+
+
+def hf_sampling(params: SamplingParams) -> dict:
+    """transformers' generate options of the settings it shares with SamplingParams (the same definitions:
+    temperature, top_k, top_p, min_p, repetition_penalty); None where a setting is off."""
+    sampled = params.temperature > 0
+    return {"do_sample": sampled, "temperature": params.temperature if sampled else None,
+            "top_k": params.top_k if sampled and params.top_k > 0 else None,
+            "top_p": params.top_p if sampled and params.top_p < 1 else None,
+            "min_p": params.min_p if sampled and params.min_p > 0 else None,
+            "repetition_penalty": params.repetition_penalty if params.repetition_penalty != 1 else None}
+
+
+def comparable(params: SamplingParams) -> bool:
+    """Whether transformers' greedy generate draws what this request does: greedy, and no penalty it lacks."""
+    return params.temperature == 0 and params.presence_penalty == 0 and params.frequency_penalty == 0 \
+        and params.structured_outputs is None
 
 
 def match_share(ours: list[list[int]], theirs: list[list[int]], prefix: int = 32) -> float:
@@ -207,7 +223,7 @@ def hf_baseline(llm: LLM, requests: list, ours: list[list[int]], batch_size: int
     rate, outputs = hf_generate(llm, requests, batch_size)
     log.info("transformers generate: %.1f output tok/s", rate)
     columns = {"hf_output_tok_per_s": rate}
-    if all(s.temperature == 0 for _, s in requests):
+    if all(comparable(s) for _, s in requests):
         columns["hf_match_first32_pct"] = match_share(ours, outputs)
     return columns
 

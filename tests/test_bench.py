@@ -109,8 +109,11 @@ def test_a_workload_longer_than_max_model_len_is_refused(make_config, workload_n
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a float32 CPU run (on CUDA the bench runs in bf16)")
-def test_bench_with_its_floor_and_the_transformers_baseline_on_the_tiny_model(tmp_path, make_config):
-    overrides = ["job=bench", "job.num_prompts=6", "job.input_len=[8,40]", "job.output_len=[8,16]", "sampling.temperature=0"]
+@pytest.mark.parametrize("penalty", ["sampling.repetition_penalty=1.0", "sampling.repetition_penalty=1.5"])
+def test_bench_with_its_floor_and_the_transformers_baseline_on_the_tiny_model(tmp_path, make_config, penalty):
+    """transformers draws with the run's settings (a repetition penalty too: it matched 0% when left out)."""
+    overrides = ["job=bench", "job.num_prompts=6", "job.input_len=[8,40]", "job.output_len=[8,16]",
+                 "sampling.temperature=0", penalty]
     result = subprocess.run(
         [sys.executable, "-m", "engine.run", *overrides, "job.baseline=hf", "job.hf_batch_size=4", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "MINIPAGED_CACHE_DIR": str(tmp_path / "cache")},
@@ -168,3 +171,14 @@ def test_keys_of_the_random_workload_set_for_a_fixed_one_are_warned_of(make_conf
         warn_unused_keys(make_config("job=bench", "job.workload=nano", "job.num_prompts=4", "job.output_len=[2,4]").job)
     assert caplog.messages == ["job.workload=nano has prompts and lengths of its own: job.num_prompts=4, "
                                "job.output_len=[2, 4] apply to job.workload=random only"]
+
+
+def test_the_baseline_takes_the_settings_transformers_shares_and_matches_only_what_it_can_draw():
+    from jobs.bench import comparable, hf_sampling
+
+    assert hf_sampling(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)) == dict(
+        do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
+    assert hf_sampling(SamplingParams()) == dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_p=None,
+                                                 repetition_penalty=None)
+    assert comparable(SamplingParams(repetition_penalty=1.3))
+    assert not comparable(SamplingParams(presence_penalty=0.5)) and not comparable(SamplingParams(temperature=1.0))
