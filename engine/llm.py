@@ -216,8 +216,9 @@ class LLM:
 
     def check_chat_template(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError(f"model {self.cfg.model.name!r} has no chat template (its tokenizer sets none), "
-                              f"which conversations need")
+            m = self.cfg.model
+            raise ConfigError(f"model {m.tokenizer or m.path or m.name!r} has no chat template (its tokenizer sets "
+                              f"none), which conversations need")
 
     def _run_all(self, requests: list[Request], sampling_params, chat_template_kwargs=None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

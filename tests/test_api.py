@@ -376,7 +376,7 @@ def test_a_window_below_one_is_an_error(tiny, window):
 
 
 def test_chat_applies_the_chat_template(chat_checkpoint, checkpoint_llm):
-    with pytest.raises(ConfigError, match=r"model 'qwen3-tiny.*' has no chat template"):  # saved without one
+    with pytest.raises(ConfigError, match=r"model '.*qwen3-tiny.*' has no chat template"):  # saved without one
         checkpoint_llm.chat([{"role": "user", "content": "hi"}])
     llm = LLM(model=str(chat_checkpoint), dtype="float32", max_model_len=128, device="cpu")
     with pytest.raises(RequestError, match=r"^messages must be a conversation \(a list of \{role, content\}\) or a "

@@ -3,6 +3,7 @@ with job.chat_template=true; token ids against the tokenizer's own apply_chat_te
 transformers' generate on those ids (float32, greedy). The random models' ChatML-like template against the
 conversations written out by hand, through LLM.chat, a conversation column and an OpenAI batch file."""
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -75,7 +76,7 @@ def test_chat_template_true_makes_a_text_prompt_one_user_message(make_config, ch
 def test_a_tokenizer_without_a_template_stops_the_job(make_config, qwen3_checkpoint, tmp_path, overrides, table,
                                                       message):
     path, _ = qwen3_checkpoint  # its byte-level tokenizer was saved without a template
-    with pytest.raises(JobError, match=message):
+    with pytest.raises(JobError, match=message.replace("'.*'", f"'{re.escape(str(path))}'")):  # the checkpoint named
         run_job(make_config, tmp_path, table, f"model.path={path}", *overrides)
 
 
