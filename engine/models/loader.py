@@ -322,12 +322,13 @@ def check_context(max_positions, max_model_len: int, where: str) -> None:
 
 
 def check_rope_tables_fit(max_model_len: int, head_dim: int, device: torch.device) -> None:
-    """ConfigError where the RoPE tables of max_model_len positions (cos and sin, head_dim float32 each) would
-    not fit in the memory available on device: a build would fail allocating them, or be killed filling them."""
-    need, (available, where) = 2 * max_model_len * head_dim * 4, memory_available(device)
+    """ConfigError where the RoPE tables of max_model_len positions (cos and sin, head_dim float32 each, and
+    the half-width angles while they are computed: RotaryEmbedding.reset_buffers' peak) would not fit in the
+    memory available on device: a build would fail allocating them, or be killed filling them."""
+    need, (available, where) = 11 * max_model_len * head_dim, memory_available(device)  # 10, and the positions
     if need > available:
         raise ConfigError(f"model.max_model_len {max_model_len}: its RoPE tables alone need {need / 1e9:.2f} GB "
-                          f"(cos and sin of head_dim {head_dim} in float32 a position), but only "
+                          f"(cos and sin of head_dim {head_dim} in float32 a position, and their angles), but only "
                           f"{available / 1e9:.2f} GB is {where}; lower model.max_model_len")
 
 

@@ -102,6 +102,7 @@ class RotaryEmbedding(nn.Module):
         with torch.device(self.cos.device):
             freqs = torch.outer(torch.arange(self.cos.shape[0], dtype=torch.float32),
                                 inverse_frequencies(self.rope, self.head_dim))
-            angles = torch.cat([freqs, freqs], dim=-1)
-            self.cos.copy_(angles.cos())
-            self.sin.copy_(angles.sin())
+            # the angles in sin's storage, then each table in place: the tables and freqs are the peak
+            torch.cat([freqs, freqs], dim=-1, out=self.sin)
+            torch.cos(self.sin, out=self.cos)
+            self.sin.sin_()
