@@ -3,7 +3,7 @@
     from engine import LLM, SamplingParams      # the Python API (engine/llm.py)
 
 The names below are imported when first used, so that `import engine.config` (and `python -m engine.run
---help`) does not load torch and transformers. The engine never imports Hydra, OmegaConf or the batch
+--help`) does not load transformers. The engine never imports Hydra, OmegaConf or the batch
 layer (jobs/).
 """
 import importlib
