@@ -3,7 +3,6 @@ integer sampling fields in every kind of input, empty JSONL files, JSONL lines l
 OpenAI message contents given as lists of parts, compressed JSONL and files that are neither format."""
 import decimal
 import gzip
-import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
