@@ -198,11 +198,11 @@ def hf_generate(llm: LLM, requests, batch_size: int) -> tuple[float, list[list[i
 
 def hf_sampling(params: SamplingParams) -> dict:
     """transformers' generate options of the settings it shares with SamplingParams (the same definitions:
-    temperature, top_k, top_p, min_p, repetition_penalty); None where a setting is off."""
+    temperature, top_k, top_p, min_p, repetition_penalty). Sampling, an unset top_k is 0 and top_p 1, which
+    turn them off (None would take the checkpoint's generation config: top_k 50 by default)."""
     sampled = params.temperature > 0
     return {"do_sample": sampled, "temperature": params.temperature if sampled else None,
-            "top_k": params.top_k if sampled and params.top_k > 0 else None,
-            "top_p": params.top_p if sampled and params.top_p < 1 else None,
+            "top_k": max(params.top_k, 0) if sampled else None, "top_p": params.top_p if sampled else None,
             "min_p": params.min_p if sampled and params.min_p > 0 else None,
             "repetition_penalty": params.repetition_penalty if params.repetition_penalty != 1 else None}
 

@@ -180,5 +180,7 @@ def test_the_baseline_takes_the_settings_transformers_shares_and_matches_only_wh
         do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2)
     assert hf_sampling(SamplingParams()) == dict(do_sample=False, temperature=None, top_k=None, top_p=None, min_p=None,
                                                  repetition_penalty=None)
+    assert hf_sampling(SamplingParams(temperature=1.0)) == dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                                                min_p=None, repetition_penalty=None)  # both off
     assert comparable(SamplingParams(repetition_penalty=1.3))
     assert not comparable(SamplingParams(presence_penalty=0.5)) and not comparable(SamplingParams(temperature=1.0))
