@@ -321,9 +321,10 @@ class LLM:
             return request.prompt_token_ids
         if request.messages is not None:
             messages = text_messages(request.messages)
+            kwargs = chat_template_kwargs or {}
             # vLLM's defaults, which the kwargs may override (continue_final_message: no generation prompt)
-            options = {"add_generation_prompt": not (chat_template_kwargs or {}).get("continue_final_message"),
-                       **(chat_template_kwargs or {}), "tokenize": True, "return_dict": False}
+            options = {"add_generation_prompt": not kwargs.get("continue_final_message"), **kwargs,
+                       "tokenize": True, "return_dict": False}
             try:
                 return self.tokenizer.apply_chat_template(messages, **options)
             except Exception as err:  # a malformed conversation fails in the template (Jinja, KeyError, ...)

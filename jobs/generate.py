@@ -242,9 +242,10 @@ def generate_job(cfg, directory: Path) -> None:
             schema = generations_schema(id_type, [source.schema.field(c) for c in columns.keep], **asked,
                                         reasoning=job.reasoning_parser is not None)
             tokenizer = load_tokenizer(cfg.model) if job.output_format == "openai" else None
-            eos = silent_eos(model_stop_ids(cfg.model), tokenizer.eos_token_id) if tokenizer else frozenset()
+            silent = silent_eos(model_stop_ids(cfg.model), tokenizer.eos_token_id) if tokenizer else frozenset()
             written = writer.finalize(final_batches(source, columns), final, schema, job.output_format,
-                                      cfg.model.path or cfg.model.name, tokenizer if asked["logprobs"] else None, eos)
+                                      cfg.model.path or cfg.model.name, tokenizer if asked["logprobs"] else None,
+                                      silent)
             remove_other_final_files(final)
     except KeyboardInterrupt as err:
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the save short

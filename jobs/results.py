@@ -313,11 +313,11 @@ class ResultWriter:
 
     def finalize(self, input_batches: Iterator[pa.RecordBatch], path: Path, schema: pa.Schema,
                  output_format: str = "parquet", model: str = "", tokenizer=None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> int:
+                 silent_eos: frozenset[int] = frozenset()) -> int:
         """Write the final file at `path` (atomically), in input order: one row per input row and sample
         (Parquet), or one line per input row with a choice per sample (OpenAI; `tokenizer` names the tokens
-        of the logprobs, needed when the schema has them; eos_token_ids, the model's, tell an EOS stop, whose
-        stop_reason is null, from a stop id's). Returns the rows (lines) written."""
+        of the logprobs, needed when the schema has them; silent_eos, the EOS ids whose stop has a null
+        stop_reason: engine.generation_config.silent_eos). Returns the rows (lines) written."""
         written = 0
         with atomic_path(path) as tmp:
             if output_format == "openai":
@@ -326,7 +326,7 @@ class ResultWriter:
                     for rows, table in self.results(input_batches):
                         samples = table.select([n for n in schema.names if n in OPENAI_FIELDS]).to_pylist()
                         lines = [json.dumps(openai_line(int(row), [s for _, s in group], model, created, pieces,
-                                                              eos_token_ids)) + "\n"
+                                                              silent_eos)) + "\n"
                                  for row, group in itertools.groupby(zip(rows, samples), lambda r: r[0])]
                         out.writelines(lines)
                         written += len(lines)
@@ -406,11 +406,11 @@ def openai_message(sample: dict) -> dict:
 
 
 def openai_line(row_number: int, samples: list[dict], model: str, created: int,
-                pieces: TokenPieces | None = None, eos_token_ids: frozenset[int] = frozenset()) -> dict:
+                pieces: TokenPieces | None = None, silent_eos: frozenset[int] = frozenset()) -> dict:
     """One line of an OpenAI batch output file (the shape `vllm run-batch` writes) from the result rows of
     one input row (a choice per sample), with ids made from the input row number; logprobs where the
     samples have them (`pieces` names their tokens). stop_reason as vLLM's: the stop string or stop id,
-    null for an EOS (one of eos_token_ids)."""
+    null for an EOS of silent_eos."""
     first = samples[0]
     head = {"id": f"minipaged-{row_number}", "custom_id": str(first["id"])}
     request_id = f"minipaged-batch-{row_number}"
@@ -424,7 +424,7 @@ def openai_line(row_number: int, samples: list[dict], model: str, created: int,
                 "logprobs": openai_logprobs(s, pieces) if s.get("output_logprobs") is not None else None,
                 "finish_reason": s["finish_reason"],
                 "stop_reason": s["stop_reason"] if s["stop_reason"] is not None else
-                None if s["stop_token_id"] in eos_token_ids else s["stop_token_id"]}
+                None if s["stop_token_id"] in silent_eos else s["stop_token_id"]}
                for s in samples]
     body = {"id": f"chatcmpl-{row_number}", "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage}

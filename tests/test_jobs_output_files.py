@@ -117,5 +117,5 @@ def test_token_bytes_are_the_tokens_own_for_a_byte_level_tokenizer():
 def test_the_openai_stop_reason_is_vllms(stop_reason, stop_token_id, expected):
     sample = {"id": "a", "sample_index": 0, "output_text": "OK", "finish_reason": "stop", "stop_reason": stop_reason,
               "stop_token_id": stop_token_id, "prompt_tokens": 2, "output_tokens": 3, "error": None}
-    line = openai_line(0, [sample], "m", 0, eos_token_ids=frozenset({9}))
+    line = openai_line(0, [sample], "m", 0, silent_eos=frozenset({9}))
     assert line["response"]["body"]["choices"][0]["stop_reason"] == expected
