@@ -271,8 +271,9 @@ class LLMEngine:
         cache nor forks: each sample computes its prompt to have them."""
         sampling = sampling.for_request(request_id)  # LLM has given it its request's own; this for direct callers
         max_num_tokens = min(len(prompt_token_ids) + sampling.max_tokens, self.max_model_len)
-        samples = [Sequence(next(self._seq_ids), request_id, list(prompt_token_ids), sampling.sample(i),
-                            max_num_tokens, sample_index=i) for i in range(sampling.n)]
+        prompt = tuple(prompt_token_ids)  # the samples' one copy, which the garbage collector leaves alone (Sequence)
+        samples = [Sequence(next(self._seq_ids), request_id, prompt, sampling.sample(i), max_num_tokens, sample_index=i)
+                   for i in range(sampling.n)]
         if sampling.structured_outputs is not None:  # each sample its own matcher
             for seq in samples:
                 seq.constraint = self._constraint(sampling.structured_outputs, seq.prompt_token_ids)

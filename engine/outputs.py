@@ -83,7 +83,8 @@ class OutputProcessor:
     def _output(self, request_id, prompt: str | None, samples: list) -> RequestOutput:
         completions = [self._completion(seq) for seq in samples]
         first = samples[0]
-        return RequestOutput(request_id, prompt, first.prompt_token_ids, completions, prompt_logprobs=prompt_logprobs(first))
+        return RequestOutput(request_id, prompt, list(first.prompt_token_ids), completions,
+                             prompt_logprobs=prompt_logprobs(first))
 
     def _completion(self, seq) -> CompletionOutput:
         """One sample's CompletionOutput: its text split by the reasoning parser, if there is one."""

@@ -74,7 +74,8 @@ def test_output_logprobs_match_transformers(make_config, qwen3_checkpoint, promp
         if k is None:
             assert seq.output_logprobs == seq.top_logprobs == []
             continue
-        expected = hf_log_softmax(hf_model, seq.prompt_token_ids + seq.output_token_ids)[len(seq.prompt_token_ids) - 1:]
+        whole = [*seq.prompt_token_ids, *seq.output_token_ids]
+        expected = hf_log_softmax(hf_model, whole)[len(seq.prompt_token_ids) - 1:]
         assert len(seq.output_logprobs) == len(seq.output_ranks) == len(seq.output_token_ids)
         for j, token in enumerate(seq.output_token_ids):
             assert abs(seq.output_logprobs[j] - expected[j, token].item()) < TOLERANCE

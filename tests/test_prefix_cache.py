@@ -180,7 +180,7 @@ def test_recent_prompt_hashes_hash_only_the_blocks_after_the_shared_ones(monkeyp
     second.output_token_ids += [1, 2, 3, 4]   # a 14th full block
     manager.hash_known_blocks(second)
     assert len(calls) == 12 + 3 + 13 + 1 and len(second.block_hashes) == 14
-    assert second.block_hashes == extend_block_hashes([], second.prompt_token_ids + [1, 2, 3, 4], 4)
+    assert second.block_hashes == extend_block_hashes([], [*second.prompt_token_ids, 1, 2, 3, 4], 4)
 
 
 def test_failures_change_nothing():

@@ -3,6 +3,7 @@ one-sample run with that seed; the prompt is prefilled once (the other samples a
 last prompt chunk is computed); the job writes one row per (id, sample_index) and resumes exactly once per (id,
 sample_index)."""
 import errno
+import gc
 import os
 from pathlib import Path
 
@@ -67,6 +68,24 @@ def test_the_other_samples_are_forked_when_the_first_ones_prompt_is_computed(mak
     engine.step()
     assert engine.stats.steps[-1].phase == "decode" and engine.stats.steps[-1].num_decode_seqs == 3
     assert len(list(engine.run())) == 3
+
+
+def test_the_samples_share_one_prompt_that_the_garbage_collector_leaves_alone(make_config):
+    """A request's samples hold one copy of its prompt, made when it is added (a later change to the caller's list
+    leaves it as it was), and the garbage collector stops tracking it: a full collection would otherwise traverse
+    every sample's prompt token by token."""
+    from engine.engine import LLMEngine
+
+    engine = LLMEngine(make_config("model.device=cpu", "model.max_model_len=128", f"cache.block_size={BLOCK}"))
+    ids = list(range(3, 3 + PROMPT_LEN))
+    first = engine.add_request("r", ids, SamplingParams(n=3, max_tokens=2, ignore_eos=True))
+    ids.append(7)
+    assert all(s.prompt_token_ids is first.prompt_token_ids for s in first.held_samples)
+    assert list(first.prompt_token_ids) == ids[:-1]
+    gc.collect()
+    assert not gc.is_tracked(first.prompt_token_ids)
+    finished = [seq for _ in range(20) for seq in engine.step()]
+    assert sorted(s.sample_index for s in finished) == [0, 1, 2] and all(len(s.output_token_ids) == 2 for s in finished)
 
 
 def test_a_request_for_prompt_logprobs_computes_its_whole_prompt(tiny):
