@@ -97,7 +97,7 @@ def workload(job, sampling, vocab_size: int):
 def _drawn(job, sampling, vocab_size: int):
     if job.workload == "nano":
         random.seed(0)
-        prompts = [[random.randint(0, TOKEN_ID_RANGE) % vocab_size for _ in range(random.randint(*NANO.input_len))]
+        prompts = [tuple(random.randint(0, TOKEN_ID_RANGE) % vocab_size for _ in range(random.randint(*NANO.input_len)))
                    for _ in range(NANO.num_prompts)]
         params = dataclasses.replace(sampling, temperature=FIXED_TEMPERATURE, ignore_eos=True)
         return [(p, dataclasses.replace(params, max_tokens=random.randint(*NANO.output_len))) for p in prompts]
@@ -111,8 +111,8 @@ def _drawn(job, sampling, vocab_size: int):
         return [rng.randrange(TOKEN_ID_RANGE) % vocab_size for _ in range(n)]
 
     prefix = ids(sizes.prefix_len)
-    return [(prefix + ids(rng.randint(*sizes.input_len)), dataclasses.replace(params, max_tokens=rng.randint(*sizes.output_len)))
-            for _ in range(sizes.num_prompts)]
+    return [(tuple(prefix + ids(rng.randint(*sizes.input_len))),
+             dataclasses.replace(params, max_tokens=rng.randint(*sizes.output_len))) for _ in range(sizes.num_prompts)]
 
 
 class BenchProcessor(Processor):
@@ -126,7 +126,10 @@ class BenchProcessor(Processor):
     def __init__(self, job, samples: int):
         self.job = job
         self.samples = shape(job).samples or samples  # each request's n
-        self.requests: list = []  # (prompt token ids, SamplingParams) per request number
+        # (prompt token ids, SamplingParams) per request number, held for the whole run: tuples, which the garbage
+        # collector stops tracking, so the run's collections do not traverse them as they would lists (a job's
+        # rows hold no token ids)
+        self.requests: list = []
         self.floor_model: FloorModel | None = None
         self.baseline: dict = {}  # job.baseline=hf: the summary's columns of the comparison
         self.outputs: dict[int, list[int]] = {}  # job.baseline=hf: sample 0's tokens per request number
@@ -185,7 +188,7 @@ def hf_generate(llm: LLM, requests, batch_size: int) -> tuple[float, list[list[i
     for first in range(0, len(requests), batch_size):
         batch = requests[first:first + batch_size]
         width, new = max(len(p) for p, _ in batch), max(s.max_tokens for _, s in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p, _ in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
         out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                 pad_token_id=pad, **hf_sampling(batch[0][1]))

@@ -52,7 +52,7 @@ def test_shared_prefix_workload_as_documented():
     expected = []
     for _ in range(1024):
         suffix = [rng.randrange(10000) % 257 for _ in range(rng.randint(16, 256))]
-        expected.append((prefix + suffix, rng.randint(32, 256)))
+        expected.append((tuple(prefix + suffix), rng.randint(32, 256)))
     assert [(p, s.max_tokens) for p, s in requests] == expected
     assert all(16 <= len(p) - 2048 <= 256 and 32 <= n <= 256 for p, n in expected)
     assert len({tuple(p) for p, _ in requests}) == 1024  # the suffixes make every prompt unique
@@ -67,7 +67,7 @@ def test_rollout_workload_as_documented():
     expected = []
     for _ in range(512):
         prompt = [rng.randrange(10000) for _ in range(rng.randint(256, 1536))]
-        expected.append((prompt, rng.randint(64, 512)))
+        expected.append((tuple(prompt), rng.randint(64, 512)))
     assert [(p, s.max_tokens) for p, s in requests] == expected
     assert all((s.n, s.temperature, s.top_k, s.ignore_eos) == (16, 1.0, 50, True) for _, s in requests)
     assert max(len(p) + n for p, n in expected) <= 4096
