@@ -1,6 +1,7 @@
 """The Python API (engine/llm.py): the same greedy token ids as transformers and as the command line, outputs
 in input order, vLLM's option names, errors before any work, and a streaming core that holds a bounded window."""
 import dataclasses
+import gc
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from test_oracle import MAX_TOKENS, reference_outputs
 from engine import LLM, Request, RequestError, SamplingParams
 from engine.config import engine_config
 from engine.errors import ConfigError
+from engine.llm import RUN_GC_THRESHOLD
 from engine.sequence import request_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,6 +228,28 @@ def test_stream_pulls_requests_only_while_its_window_has_room(tiny):
     assert results["flagged"].error == "known bad"
     expected = tiny.generate(prompts, params)
     assert [results[i].outputs[0].token_ids for i in range(len(prompts))] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_run_makes_no_cyclic_garbage_and_collects_its_young_objects_rarely(tiny):
+    """What lets a run collect its young generation every RUN_GC_THRESHOLD allocations: its objects die by their
+    reference counts (the collector finds nothing unreachable after a run with collection off, over samples, stop
+    strings, logprobs and prompt logprobs), and the caller's thresholds are back after it."""
+    prompts = [f"request {i} " * (1 + i % 5) for i in range(12)]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, stop=["zz"], logprobs=2, prompt_logprobs=1)
+    tiny.generate(prompts[:2], params)  # first calls fill caches (compiled patterns, memoised tables)
+    before = gc.get_threshold()
+    seen = []
+    gc.collect()
+    gc.disable()
+    try:
+        for out in tiny.stream((Request(i, prompt=p, sampling_params=params) for i, p in enumerate(prompts))):
+            seen.append(gc.get_threshold()[0])
+        del out
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+    assert len(seen) == len(prompts) and set(seen) == {max(before[0], RUN_GC_THRESHOLD)}
+    assert gc.get_threshold() == before
 
 
 def test_stream_steps_while_the_scheduler_is_saturated_with_the_schedule_of_queueing_all_first(tiny, monkeypatch):
