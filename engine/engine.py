@@ -444,9 +444,11 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int, index: int) -> str | None:
         """stop, length or None for output `index` (= token) of seq; sets seq.stop_reason and, for a stop
-        string, seq.output_text. EOS, stop ids and stop strings end nothing before min_tokens outputs; a
-        stop string is looked for in the text the token completed (a string may span tokens). _resolve calls
-        it only for rows that one of its conditions could end: a new condition goes into that test too."""
+        string, seq.output_text. EOS and stop ids end nothing before min_tokens outputs, a stop string only
+        once a token after the first min_tokens completes it (vLLM's rule: the text of the first min_tokens
+        outputs is never cut); it is looked for in the text the token completed (a string may span tokens).
+        _resolve calls it only for rows that one of its conditions could end: a new condition goes into that
+        test too."""
         p = seq.sampling
         stopping = index + 1 >= p.min_tokens
         if stopping and token in self.eos_token_ids and not p.ignore_eos:  # first, as vLLM
@@ -455,7 +457,7 @@ class LLMEngine:
         if stopping and token in p.stop_token_ids:
             seq.stop_reason = token
             return "stop"
-        if seq.detokenizer is not None and self._stop_string(seq, token, stopping):
+        if seq.detokenizer is not None and self._stop_string(seq, token, index >= p.min_tokens):
             return "stop"
         if seq.constraint is not None and seq.constraint.finished:  # the grammar is complete: all of it is text
             seq.output_text = decode_after(self.tokenizer, seq.prompt_token_ids, seq.output_token_ids[:index + 1])

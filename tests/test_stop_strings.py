@@ -93,6 +93,22 @@ def test_min_tokens_ignores_a_stop_string_completed_before_it(tiny, full_outputs
     assert out.token_ids == ids[:second + 1] and out.text == tiny.tokenizer.decode(ids[:second])
 
 
+def test_a_stop_string_completed_by_the_min_tokens_th_output_ends_nothing(tiny, full_outputs):
+    """vLLM's boundary: the first min_tokens outputs are never cut, so a one-token string that is output number
+    min_tokens ends nothing, while the same string as output min_tokens + 1 ends the output."""
+    for prompt, ids, text in full_outputs:
+        firsts = [i for i, t in enumerate(ids[:20]) if ids.index(t) == i and ids.count(t) == 1
+                  and tiny.tokenizer.decode([t]).isascii() and tiny.tokenizer.decode([t]).isalnum()]
+        if firsts:
+            break
+    j = firsts[0]  # a character that occurs once in the full output, at output j (one byte, one token)
+    stop = tiny.tokenizer.decode([ids[j]])
+    cut = tiny.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop], min_tokens=j))
+    assert cut[0].outputs[0].token_ids == ids[:j + 1] and cut[0].outputs[0].stop_reason == stop
+    kept = tiny.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop], min_tokens=j + 1))
+    assert kept[0].outputs[0].token_ids == ids and kept[0].outputs[0].finish_reason == "length"
+
+
 def test_stop_ids_and_eos_respect_min_tokens(tiny, full_outputs):
     """A stop id (or EOS) drawn before min_tokens outputs ends nothing. (Once the sampler suppresses them
     before min_tokens they are not drawn there at all; either way the output is never shorter.)"""
