@@ -211,9 +211,11 @@ class ResultWriter:
         """JobError if the part was written with other output settings, from another input or with other
         sampling values in effect or model files."""
         run_dir = self.parts_dir.parent
+        in_effect = self.model is not None and META_MODEL in metadata  # the sampling values compared below
         if current is not None:
             before = output_settings(json.loads(metadata.get(META_CONFIG, b"{}")))
-            changed = sorted(k for k in before.keys() & current.keys() if before[k] != current[k])
+            changed = sorted(k for k in before.keys() & current.keys() if before[k] != current[k]
+                             and not (in_effect and k.startswith("sampling.")))  # unset -> the same value is no change
             if changed:
                 diff = ", ".join(f"{k}: {before[k]!r} -> {current[k]!r}" for k in changed[:5])
                 raise JobError(f"{run_dir} holds rows generated with other settings ({diff}); "

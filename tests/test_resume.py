@@ -200,6 +200,11 @@ def test_resuming_after_the_checkpoint_changed_is_refused(make_config, qwen3_che
     writer = ResultWriter(run, 4, cfg, FINGERPRINT, flush_every=1, model=model_fingerprint(cfg))
     writer.add(row(0))
     assert ResultWriter(run, 4, cfg, FINGERPRINT, model=model_fingerprint(cfg)).resumed == 1  # nothing changed
+    same = make_config(f"model.path={checkpoint}", "sampling.temperature=0.0")  # set to the value it took from the file
+    assert ResultWriter(run, 4, same, FINGERPRINT, model=model_fingerprint(same)).resumed == 1
+    other = make_config(f"model.path={checkpoint}", "sampling.temperature=0.5")
+    with pytest.raises(JobError, match=r"^the sampling values in effect changed \(temperature: 0.0 -> 0.5\) since"):
+        ResultWriter(run, 4, other, FINGERPRINT, model=model_fingerprint(other))
 
     generation = checkpoint / "generation_config.json"
     original = generation.read_text()
