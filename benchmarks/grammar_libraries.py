@@ -17,7 +17,7 @@ import xgrammar  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks.grammar_backends import constraints  # noqa: E402
-from engine.structured import GrammarCompiler, StructuredOutputsParams, allocate_bitmask, fill_bitmasks  # noqa: E402
+from engine.structured import GrammarCompiler, allocate_bitmask, fill_bitmasks  # noqa: E402
 
 VOCAB = 151936  # Qwen3's logits width
 STEPS = 60

@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/memory_rows"))
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    print(f"| rows | peak RSS MiB | wall s | rows/s |\n|---:|---:|---:|---:|")
+    print("| rows | peak RSS MiB | wall s | rows/s |\n|---:|---:|---:|---:|")
     for rows in (args.rows // 10, args.rows):
         path = args.dir / f"prompts-{rows}.parquet"
         write_input(path, rows)
