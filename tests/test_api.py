@@ -234,7 +234,7 @@ def test_a_run_makes_no_cyclic_garbage_and_collects_its_young_objects_rarely(tin
     """What lets a run collect its young generation every RUN_GC_THRESHOLD allocations: its objects die by their
     reference counts (the collector finds nothing unreachable after a run with collection off, over samples, stop
     strings, logprobs and prompt logprobs), and the caller's thresholds are back after it."""
-    prompts = [f"request {i} " * (1 + i % 5) for i in range(12)]
+    prompts = [f"collected {i} " * (1 + i % 5) for i in range(12)]
     params = SamplingParams(n=2, temperature=1.0, max_tokens=6, stop=["zz"], logprobs=2, prompt_logprobs=1)
     tiny.generate(prompts[:2], params)  # first calls fill caches (compiled patterns, memoised tables)
     before = gc.get_threshold()
@@ -266,6 +266,7 @@ def test_stream_steps_while_the_scheduler_is_saturated_with_the_schedule_of_queu
             yield Request(i, prompt=prompt, sampling_params=params)
 
     def run() -> tuple[list, dict]:
+        tiny.engine.block_manager.reset_prefix_cache()  # both runs from the same cache, whatever ran before
         since = len(tiny.stats().steps)
         outputs = {o.request_id: o.outputs[0].token_ids for o in tiny.stream(requests(), window=len(prompts))}
         steps = [{k: v for k, v in dataclasses.asdict(s).items() if k not in ("step", "waiting_seqs", "step_time_s")}
