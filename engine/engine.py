@@ -322,7 +322,11 @@ class LLMEngine:
             raise RequestError(f"prompt has {prompt_len} tokens; model.max_model_len {self.max_model_len} leaves no room for output")
         if sampling.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {sampling.max_tokens}")
-        most = min(self.model.arch.vocab_size, MAX_LOGPROBS)
+        vocab = self.model.arch.vocab_size
+        outside = next((t for t in sampling.stop_token_ids if t >= vocab), None)
+        if outside is not None:  # never drawn, and the min_tokens ban would index past the logits
+            raise RequestError(f"stop_token_ids must be token ids < {vocab} (the vocabulary size), got {outside}")
+        most = min(vocab, MAX_LOGPROBS)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(sampling, name) or 0) > most:
                 raise RequestError(f"{name} must be <= {most} (the vocabulary size or {MAX_LOGPROBS}, "

@@ -81,10 +81,12 @@ class SamplingParams:
             (self.temperature >= 0, "temperature", "must be >= 0", self.temperature),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p),
             (self.top_k >= -1, "top_k", "must be >= 1, or -1 or 0 (off)", self.top_k),
+            (self.top_k < 2**63, "top_k", "must be < 2^63", self.top_k),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p),
             (self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in [0, max_tokens={self.max_tokens}]",
              self.min_tokens),
+            (self.min_tokens < 2**63, "min_tokens", "must be < 2^63", self.min_tokens),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0", self.stop_token_ids),
             (all(self.stop), "stop", "must not hold an empty string", self.stop),
             (self.seed is None or -2**63 <= self.seed < 2**64, "seed", "must fit in 64 bits (-2^63 to 2^64 - 1)",
@@ -151,7 +153,12 @@ def _kind(annotation) -> tuple[type, bool, bool]:
 
 def _scalar(name: str, value, kind: type):
     """`value` as `kind`: no bool for a number (nor a number for a bool), a float only if finite, an int
-    from a float only if whole."""
+    from a float only if whole and below 2^53 in size (a JSON reader makes a column of floats when one of its
+    ints exceeds 64 bits, rounding the others)."""
+    if kind is int and isinstance(value, float) and value.is_integer() and abs(value) >= 2**53:
+        raise ValueError(f"{name} {value!r} is a float of 2^53 or more, which holds only some ints (the one "
+                         f"written may have been rounded): give it as an int (in JSONL, a column of ints "
+                         f"becomes floats when one of them does not fit 64 bits)")
     try:
         if isinstance(value, bool) != (kind is bool) or isinstance(value, str) != (kind is str):
             raise ValueError

@@ -44,6 +44,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -141,16 +142,17 @@ def file_hash(path: Path) -> str:
 
 
 def fingerprint_change(before: list, now: list) -> str | None:
-    """How the input files differ from when `before` was taken, naming a file; None if they do not."""
-    old = {path: (size, digest) for path, size, digest in before}
-    new = {path: (size, digest) for path, size, digest in now}
-    for path, (size, digest) in new.items():
-        if path not in old:
+    """How the input files differ from when `before` was taken, naming a file; None if they do not. A file is
+    the one its path names: a relative path (against the working directory) and the absolute one are one file."""
+    old = {os.path.realpath(path): (path, size, digest) for path, size, digest in before}
+    new = {os.path.realpath(path): (path, size, digest) for path, size, digest in now}
+    for key, (path, size, digest) in new.items():
+        if key not in old:
             return f"{path} is new"
-        if old[path] != (size, digest):
-            how = f"{old[path][0]} -> {size} bytes" if old[path][0] != size else "same size, other bytes"
+        if old[key][1:] != (size, digest):
+            how = f"{old[key][1]} -> {size} bytes" if old[key][1] != size else "same size, other bytes"
             return f"{path} changed ({how})"
-    gone = sorted(old.keys() - new.keys())
+    gone = sorted(old[key][0] for key in old.keys() - new.keys())
     return f"{gone[0]} is gone" if gone else None
 
 
@@ -256,7 +258,7 @@ class InputFiles:
 
     def fingerprint(self) -> list:
         try:
-            return [[str(p), p.stat().st_size, file_hash(p)] for p in self.paths]
+            return [[str(p.resolve()), p.stat().st_size, file_hash(p)] for p in self.paths]
         except OSError as err:
             raise JobError(f"job.input: cannot read {err.filename} ({err.strerror})") from None
 

@@ -190,6 +190,22 @@ def test_resuming_with_the_same_files_by_other_paths_or_other_execution_settings
         ResultWriter(run_dir, 4, make_config("job.input=in.parquet", "model.max_model_len=1024"), FINGERPRINT)
 
 
+def test_a_job_resumes_from_its_input_by_a_relative_or_an_absolute_path(make_config, tmp_path, monkeypatch,
+                                                                        one_thread):
+    """The input's fingerprint names each file as the file it is: the same input by the other kind of path resumes
+    (nothing left to compute: the parts stay as they were)."""
+    monkeypatch.chdir(tmp_path)
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"]}), tmp_path / "in.parquet")
+    run = tmp_path / "run"
+    run.mkdir()
+    options = ("model.device=cpu", "sampling.max_tokens=2", "sampling.ignore_eos=true")
+    generate_job(make_config("job.input=in.parquet", *options), run)
+    before = {p.name: p.read_bytes() for p in (run / "generations.parts").iterdir()}
+    generate_job(make_config(f"job.input={tmp_path / 'in.parquet'}", *options), run)
+    generate_job(make_config("job.input=./in.parquet", *options), run)
+    assert {p.name: p.read_bytes() for p in (run / "generations.parts").iterdir()} == before
+
+
 def test_resuming_after_the_checkpoint_changed_is_refused(make_config, qwen3_checkpoint, tmp_path):
     """generation_config.json's defaults (the sampling values in effect), the tokenizer's files and the
     weights (size and mtime) are part of what the parts were made with; the sampling.* keys are unchanged."""

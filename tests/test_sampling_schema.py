@@ -64,6 +64,13 @@ def test_impossible_sampling_settings(make_config, override, message):
     ({"frequency_penalty": float("inf")}, "frequency_penalty inf is not a valid float"),
     ({"seed": 2**64}, f"seed must fit in 64 bits (-2^63 to 2^64 - 1), got {2**64}"),  # it wrapped to seed 0
     ({"seed": -2**63 - 1}, f"seed must fit in 64 bits (-2^63 to 2^64 - 1), got {-2**63 - 1}"),
+    # the sampler's int64 arrays: a larger value overflowed them mid-run
+    ({"top_k": 2**63}, f"top_k must be < 2^63, got {2**63}"),
+    ({"max_tokens": 10**20, "min_tokens": 10**19}, f"min_tokens must be < 2^63, got {10**19}"),
+    # JSONL hands over a column of floats when one of its ints exceeds 64 bits: the others may be rounded
+    ({"seed": float(2**60 + 1)}, f"seed {float(2**60)!r} is a float of 2^53 or more, which holds only some ints (the "
+                                 f"one written may have been rounded): give it as an int (in JSONL, a column of ints "
+                                 f"becomes floats when one of them does not fit 64 bits)"),
 ])
 def test_bad_per_row_values_name_the_field(values, message):
     with pytest.raises(RequestError) as err:
@@ -105,10 +112,13 @@ def test_per_row_values_are_converted():
 def test_bad_rows_become_error_rows_naming_the_field(make_config, tmp_path, one_thread):
     path = tmp_path / "in.parquet"
     pq.write_table(pa.table({
-        "prompt": ["ok", "n", "vocab", "stop", "fine"],
-        "n": [None, 0, None, None, 2],
-        "logprobs": [None, None, 1000, None, None],
-        "stop": pa.array([None, None, None, [1, 2], None], pa.list_(pa.int64())),  # a list, but not of strings
+        "prompt": ["ok", "n", "vocab", "stop", "fine", "stop id"],
+        "n": [None, 0, None, None, 2, None],
+        "logprobs": [None, None, 1000, None, None, None],
+        "stop": pa.array([None, None, None, [1, 2], None, None], pa.list_(pa.int64())),  # a list, but not of strings
+        # an id past the logits: the min_tokens ban indexed past them mid-run, failing the job at every resume
+        "stop_token_ids": pa.array([None, None, None, None, None, [1000]], pa.list_(pa.int64())),
+        "min_tokens": [None, None, None, None, None, 2],
     }), path)
     (tmp_path / "run").mkdir()
     generate_job(make_config(f"job.input={path}", "model.device=cpu", "model.max_model_len=128",
@@ -116,7 +126,8 @@ def test_bad_rows_become_error_rows_naming_the_field(make_config, tmp_path, one_
     rows = pq.read_table(tmp_path / "run" / "generations.parquet").to_pylist()
     errors = {r["prompt"]: r["error"] for r in rows if r["finish_reason"] == "error"}
     assert errors == {"n": "n must be >= 1, got 0", "vocab": "logprobs must be <= 20 (the vocabulary size or 20, the most the sampler returns), got 1000",
-                      "stop": "stop must be a string or a list of strings, got [1, 2]"}
+                      "stop": "stop must be a string or a list of strings, got [1, 2]",
+                      "stop id": "stop_token_ids must be token ids < 257 (the vocabulary size), got 1000"}
     assert [(r["prompt"], r["sample_index"], r["output_tokens"]) for r in rows if not r["error"]] == \
         [("ok", 0, 3), ("fine", 0, 3), ("fine", 1, 3)]
     names = pq.read_schema(tmp_path / "run" / "generations.parquet").names
@@ -128,6 +139,8 @@ def test_bad_rows_become_error_rows_naming_the_field(make_config, tmp_path, one_
                                r"returns\), got 21$"),
     (["sampling.prompt_logprobs=21"], r"^sampling.prompt_logprobs must be <= 20 "),
     (["model.vocab_size=12", "model.eos_token_id=11", "sampling.logprobs=13"], r"^sampling.logprobs must be <= 12 "),
+    (["sampling.stop_token_ids=[1000]", "sampling.min_tokens=1"],
+     r"^sampling.stop_token_ids must be token ids < 257 \(the vocabulary size\), got 1000$"),
 ])
 def test_a_job_level_value_that_no_row_could_run_with_stops_the_job(make_config, tmp_path, one_thread, overrides,
                                                                      message):
