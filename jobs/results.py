@@ -105,6 +105,7 @@ def model_fingerprint(cfg) -> dict:
     path = resolve_model_path(cfg.model)
     with _quiet():  # the engine logs where each sampling value came from; once is enough
         sampling = dataclasses.asdict(resolve_sampling(cfg.sampling, read_generation_config(path)))
+    sampling["top_k"] = sampling["top_k"] if sampling["top_k"] > 0 else -1  # off: -1 and 0 alike
     files = {}
     for file in sorted({f for pattern in HUB_FILES for f in path.glob(pattern)} if path else ()):
         if file.is_file():

@@ -206,6 +206,17 @@ def test_a_job_resumes_from_its_input_by_a_relative_or_an_absolute_path(make_con
     assert {p.name: p.read_bytes() for p in (run / "generations.parts").iterdir()} == before
 
 
+def test_top_k_off_by_either_spelling_is_no_change(make_config, tmp_path):
+    """-1 and 0 both turn top_k off: a resume that spells it the other way computes the same rows."""
+    first, other = make_config(), make_config("sampling.top_k=0")
+    writer = ResultWriter(tmp_path, 4, first, FINGERPRINT, flush_every=1, model=model_fingerprint(first))
+    writer.add(row(0))
+    assert ResultWriter(tmp_path, 4, other, FINGERPRINT, model=model_fingerprint(other)).resumed == 1
+    on = make_config("sampling.top_k=5")
+    with pytest.raises(JobError, match=r"the sampling values in effect changed \(top_k: -1 -> 5\)"):
+        ResultWriter(tmp_path, 4, on, FINGERPRINT, model=model_fingerprint(on))
+
+
 def test_resuming_after_the_checkpoint_changed_is_refused(make_config, qwen3_checkpoint, tmp_path):
     """generation_config.json's defaults (the sampling values in effect), the tokenizer's files and the
     weights (size and mtime) are part of what the parts were made with; the sampling.* keys are unchanged."""
