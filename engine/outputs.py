@@ -18,6 +18,20 @@ from engine.detokenizer import decode_after
 class Logprob:
     logprob: float
     rank: int | None = None  # 1 for the most likely token: 1 + the tokens more likely (vLLM's)
+    decoded_token: str | None = None  # the token decoded alone, as vLLM's (tokenizer.decode([token]))
+
+
+class TokenTexts(dict):
+    """token id -> its text decoded alone (Logprob.decoded_token), each id decoded once: a run with logprobs
+    meets the same ids again and again."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token: int) -> str:
+        text = self[token] = self.tokenizer.decode([token])
+        return text
 
 
 Logprobs = list[dict[int, Logprob]]  # per token: {the token: its Logprob, then the k most likely, by rank}
@@ -55,6 +69,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, reasoning_parser=None):
         self.tokenizer = tokenizer
         self.reasoning_parser = reasoning_parser
+        self._token_texts = TokenTexts(tokenizer)
         self._requests: dict[str, tuple[Any, str | None]] = {}  # engine key -> (request_id, prompt text)
         self._samples: dict[str, list] = {}
 
@@ -84,7 +99,7 @@ class OutputProcessor:
         completions = [self._completion(seq) for seq in samples]
         first = samples[0]
         return RequestOutput(request_id, prompt, list(first.prompt_token_ids), completions,
-                             prompt_logprobs=prompt_logprobs(first))
+                             prompt_logprobs=prompt_logprobs(first, self._token_texts))
 
     def _completion(self, seq) -> CompletionOutput:
         """One sample's CompletionOutput: its text split by the reasoning parser, if there is one."""
@@ -92,7 +107,7 @@ class OutputProcessor:
         parser = self.reasoning_parser
         reasoning, text = (None, text) if parser is None else \
             parser.split(text, parser.prompt_opened_reasoning(seq.prompt_token_ids))
-        logprobs = output_logprobs(seq)
+        logprobs = output_logprobs(seq, self._token_texts)
         cumulative = None if logprobs is None else sum(seq.output_logprobs)
         return CompletionOutput(seq.sample_index, text, list(seq.output_token_ids), seq.finish_reason,
                                 logprobs, seq.stop_reason, reasoning, cumulative)
@@ -108,23 +123,27 @@ class OutputProcessor:
         return decode_after(self.tokenizer, seq.prompt_token_ids, ids)
 
 
-def _logprob_dicts(token_ids, logprobs, ranks, tops) -> list[dict[int, Logprob] | None]:
+def _logprob_dicts(token_ids, logprobs, ranks, tops, texts=None) -> list[dict[int, Logprob] | None]:
     """Per position: {its token: Logprob with its rank, the k most likely tokens: theirs, ranked by their
-    order (a tie keeps the smaller id first)}; None where the logprob is None (the first prompt token)."""
+    order (a tie keeps the smaller id first)}; None where the logprob is None (the first prompt token).
+    texts (TokenTexts): each Logprob's decoded_token; None leaves them None."""
+    text = texts.__getitem__ if texts is not None else lambda token: None
     positions = []
     for token, logprob, rank, top in zip(token_ids, logprobs, ranks, tops or [None] * len(logprobs)):
-        ranked = {t: Logprob(value, order) for order, (t, value) in enumerate(top or (), 1)}
-        positions.append(None if logprob is None else {token: ranked.get(token, Logprob(logprob, rank)), **ranked})
+        ranked = {t: Logprob(value, order, text(t)) for order, (t, value) in enumerate(top or (), 1)}
+        positions.append(None if logprob is None else
+                         {token: ranked.get(token) or Logprob(logprob, rank, text(token)), **ranked})
     return positions
 
 
-def output_logprobs(seq) -> Logprobs | None:
+def output_logprobs(seq, texts=None) -> Logprobs | None:
     if seq.sampling.logprobs is None:
         return None
-    return _logprob_dicts(seq.output_token_ids, seq.output_logprobs, seq.output_ranks, seq.top_logprobs)
+    return _logprob_dicts(seq.output_token_ids, seq.output_logprobs, seq.output_ranks, seq.top_logprobs, texts)
 
 
-def prompt_logprobs(seq) -> list[dict[int, Logprob] | None] | None:
+def prompt_logprobs(seq, texts=None) -> list[dict[int, Logprob] | None] | None:
     if seq.sampling.prompt_logprobs is None:
         return None
-    return _logprob_dicts(seq.prompt_token_ids, seq.prompt_logprobs, seq.prompt_ranks, seq.prompt_top_logprobs)
+    return _logprob_dicts(seq.prompt_token_ids, seq.prompt_logprobs, seq.prompt_ranks, seq.prompt_top_logprobs,
+                          texts)

@@ -109,6 +109,23 @@ def test_the_cumulative_logprob_is_the_sum_of_the_tokens_logprobs(qwen3_checkpoi
     assert outs[2].outputs[0].cumulative_logprob is None
 
 
+def test_each_logprob_carries_its_token_decoded_alone(qwen3_checkpoint, one_thread):
+    """vLLM's Logprob.decoded_token: the token's text decoded alone (tokenizer.decode([token])), in the output's
+    logprobs (the drawn token and the k most likely) and the prompt's."""
+    from engine import LLM
+
+    path, _ = qwen3_checkpoint
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=64)
+    out = llm.generate([[5, 17, 99, 3]], SamplingParams(max_tokens=6, temperature=1.0, seed=2, logprobs=3,
+                                                        prompt_logprobs=2))[0]
+    llm.close()
+    positions = [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]
+    entries = [(token, entry) for position in positions for token, entry in position.items()]
+    assert len(entries) >= 6 * 4 + 3 * 3 - 9  # the drawn or prompt token may be among the k most likely
+    assert all(entry.decoded_token == llm.tokenizer.decode([token]) for token, entry in entries)
+    assert out.prompt_logprobs[0] is None
+
+
 def check_prompt_logprobs(seq, hf_model):
     prompt, k = seq.prompt_token_ids, seq.sampling.prompt_logprobs
     expected = hf_log_softmax(hf_model, prompt)
