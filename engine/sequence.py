@@ -106,6 +106,10 @@ class SamplingParams:
         is None (so repeated prompts draw apart, and a request draws the same in any run)."""
         return self if self.seed is not None else replace(self, seed=request_seed(request_id))
 
+    def clone(self) -> "SamplingParams":
+        """A copy (vLLM's method). SamplingParams is frozen: to change a field, dataclasses.replace(params, ...)."""
+        return replace(self)
+
     def sample(self, index: int) -> "SamplingParams":
         """The settings sample `index` of n draws with: the same, with seed sample_seed(seed, index)."""
         return self if index == 0 else replace(self, seed=sample_seed(self.seed, index))

@@ -78,6 +78,16 @@ def test_bad_per_row_values_name_the_field(values, message):
     assert str(err.value) == message
 
 
+def test_sampling_params_are_frozen_and_clone_as_vllms():
+    params = SamplingParams(temperature=0.5, stop=["x"], n=2)
+    copy = params.clone()
+    assert copy == params and copy is not params
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.max_tokens = 16
+    with pytest.raises(ValueError, match=r"^max_tokens must be >= 1, got 0$"):  # a change is checked as a new one
+        dataclasses.replace(params, max_tokens=0)
+
+
 def test_top_k_off_is_minus_one_or_zero():
     """vLLM's rule: top_k >= 1 keeps the k most likely tokens, -1 and 0 turn it off (recent vLLM prefers 0; a
     transformers generation_config.json writes 0 for off), below -1 is an error."""
