@@ -56,13 +56,15 @@ import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 from engine.llm import joined_text
-from engine.sequence import SamplingParams
+from engine.sequence import FIELD_KINDS, SamplingParams
 from jobs import JobError, first_line
 
 log = logging.getLogger("minipaged")
 CHUNK_BYTES = 1 << 20
 DEFAULT_ID_COLUMN = "id"
 ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row columns: every sampling field
+INT_SAMPLING = [name for name, (element, many, _) in FIELD_KINDS.items() if element is int and not many]
+EXACT_INTS = pa.decimal128(38, 0)  # every 64-bit int (a seed takes -2^63 to 2^64 - 1), exactly
 UNIFORM_KEYS = re.compile(rb'"(structured_outputs|response_format|stop)"')  # JSONL lines that uniform_values rewrites
 OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
@@ -225,6 +227,8 @@ class InputFiles:
                     elif schema is None and PART_LISTS.search(chunk):
                         raise _PartLists()
                     table = _parse_jsonl(chunk, options, path, line, lines)
+                    if schema is None:
+                        table = _exact_ints(chunk, table)
                     if table.num_rows:
                         yield table
                     line += lines
@@ -311,6 +315,22 @@ def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, path: Path, line
         if bad is not None:
             raise JobError(f"job.input: {path}, line {line + bad[0]} is not a JSON object ({bad[1]})") from None
         raise JobError(f"job.input: {where} is not readable JSONL ({first_line(err)})") from None
+
+
+def _exact_ints(chunk: bytes, table: pa.Table) -> pa.Table:
+    """table, with its integer sampling columns (a seed, top_k, ...) that came out as floats read again as
+    EXACT_INTS: pyarrow makes a column of floats when one of its ints exceeds int64 (a seed of 2^63 or more),
+    which rounds every int of 2^53 or more. Left as floats where a value is not whole (its row's error then
+    names it). The unified schema keeps EXACT_INTS where every file's chunks have it or int64."""
+    floats = [f.name for f in table.schema if f.name in INT_SAMPLING and pa.types.is_floating(f.type)]
+    if not floats:
+        return table
+    options = pj.ParseOptions(explicit_schema=pa.schema([(name, EXACT_INTS) for name in floats]))
+    try:
+        return pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
+                            parse_options=options)
+    except pa.ArrowInvalid:
+        return table
 
 
 def _first_bad_line(chunk: bytes) -> tuple[int, str] | None:

@@ -83,6 +83,20 @@ def test_decimals_and_stop_token_ids_convert_exactly(tmp_path):
     assert fraction.error == "stop_token_ids must be a list of token ids, got [3.5]"
 
 
+def test_jsonl_seeds_of_64_bits_are_exact_in_every_row(tmp_path):
+    """One seed beyond int64 made pyarrow read the column as floats, rounding every seed of 2^53 or more (2^60 + 1
+    ran as 2^60): the column is read again exactly. A fraction among them keeps the floats, and its row is the
+    error naming it."""
+    seeds = [2**64 - 1, 2**60 + 1, 2**60, -5, None]
+    rows = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "seed": s} for s in seeds])
+    assert [r.sampling_params.seed for r in requests(rows)] == seeds
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a", "seed": s} for s in (2**64 - 1, 2.5, 7)])
+    assert [r.error for r in requests(mixed)] == [
+        f"seed {float(2**64)!r} is a float of 2^53 or more, which holds only some ints (the one written may have "
+        f"been rounded): give it as an int (in JSONL, a column of ints becomes floats when one of them does not fit "
+        f"64 bits)", "seed 2.5 is not a valid int", None]
+
+
 # -- 3. empty JSONL ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("output_format", ["parquet", "openai"])
 def test_an_empty_jsonl_file_writes_an_empty_output_as_a_0_row_parquet_file_does(make_config, tmp_path, output_format):
