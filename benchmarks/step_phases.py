@@ -21,23 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import engine.engine as engine_module  # noqa: E402
 import engine.model_runner as runner_module  # noqa: E402
 import engine.scheduler as scheduler_module  # noqa: E402
+from benchmarks.profile_decode import timed  # noqa: E402
 
 PHASES = ("schedule", "launch", "wait", "resolve", "gc", "full gc", "add")
 current = dict.fromkeys(PHASES, 0.0)
 rows: list[tuple] = []
 marks = {"warm": not torch.cuda.is_available(), "warm_end": time.perf_counter(), "first": None, "gc": 0.0}
-
-
-def timed(cls, name: str, phase: str) -> None:
-    inner = getattr(cls, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            current[phase] += time.perf_counter() - start
-    setattr(cls, name, wrapper)
 
 
 def on_gc(phase: str, info: dict) -> None:
@@ -51,11 +40,11 @@ def on_gc(phase: str, info: dict) -> None:
 
 
 def install() -> None:
-    timed(scheduler_module.Scheduler, "schedule", "schedule")
-    timed(runner_module.ModelRunner, "launch", "launch")
-    timed(engine_module.LLMEngine, "_tokens", "wait")
-    timed(engine_module.LLMEngine, "_resolve", "resolve")
-    timed(engine_module.LLMEngine, "add_request", "add")
+    timed(scheduler_module.Scheduler, "schedule", current, "schedule")  # on the classes: every instance's calls
+    timed(runner_module.ModelRunner, "launch", current, "launch")
+    timed(engine_module.LLMEngine, "_tokens", current, "wait")
+    timed(engine_module.LLMEngine, "_resolve", current, "resolve")
+    timed(engine_module.LLMEngine, "add_request", current, "add")
     gc.callbacks.append(on_gc)
     step, warm_up = engine_module.LLMEngine.step, engine_module.LLMEngine._warm_up
 
