@@ -254,6 +254,9 @@ def check_engine_config(cfg) -> None:
     check_value(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
     check_value(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
     check_value(m.tensor_parallel_size >= 1, "model.tensor_parallel_size", "must be >= 1", m.tensor_parallel_size)
+    check_value(0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",
+                f"must be a token id below model.vocab_size ({m.vocab_size}), or EOS could never end a sequence",
+                m.eos_token_id)
     check_value(c.block_size >= 1, "cache.block_size", "must be >= 1", c.block_size)
     check_value(c.num_blocks is None or c.num_blocks >= 1, "cache.num_blocks", "must be >= 1", c.num_blocks)
     check_value(c.kv_budget_gb is None or c.kv_budget_gb > 0, "cache.kv_budget_gb", "must be > 0", c.kv_budget_gb)

@@ -235,4 +235,5 @@ def validate(cfg) -> None:
         check_value(cfg.job.workload in workloads, "job.workload", f"must be one of {workloads}", cfg.job.workload)
         check_value(cfg.job.num_prompts >= 1, "job.num_prompts", "must be >= 1", cfg.job.num_prompts)
         check_value(cfg.job.baseline in ("none", "hf"), "job.baseline", "must be 'none' or 'hf'", cfg.job.baseline)
+        check_value(cfg.job.hf_batch_size >= 1, "job.hf_batch_size", "must be >= 1", cfg.job.hf_batch_size)
         check_value(0 <= cfg.job.json_schemas <= 4, "job.json_schemas", "must be 0 (none) to 4", cfg.job.json_schemas)

@@ -318,19 +318,20 @@ def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, path: Path, line
 
 
 def _exact_ints(chunk: bytes, table: pa.Table) -> pa.Table:
-    """table, with its integer sampling columns (a seed, top_k, ...) that came out as floats read again as
-    EXACT_INTS: pyarrow makes a column of floats when one of its ints exceeds int64 (a seed of 2^63 or more),
-    which rounds every int of 2^53 or more. Left as floats where a value is not whole (its row's error then
-    names it). The unified schema keeps EXACT_INTS where every file's chunks have it or int64."""
-    floats = [f.name for f in table.schema if f.name in INT_SAMPLING and pa.types.is_floating(f.type)]
-    if not floats:
-        return table
-    options = pj.ParseOptions(explicit_schema=pa.schema([(name, EXACT_INTS) for name in floats]))
-    try:
-        return pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
-                            parse_options=options)
-    except pa.ArrowInvalid:
-        return table
+    """table, with each of its integer sampling columns (a seed, top_k, ...) that came out as floats read again
+    as EXACT_INTS: pyarrow makes a column of floats when one of its ints exceeds int64 (a seed of 2^63 or more),
+    which rounds every int of 2^53 or more. A column with a value that is not whole stays floats (its row's
+    error names it), each column on its own. The unified schema keeps EXACT_INTS where every file's chunks
+    have it or int64."""
+    for name in [f.name for f in table.schema if f.name in INT_SAMPLING and pa.types.is_floating(f.type)]:
+        options = pj.ParseOptions(explicit_schema=pa.schema([(name, EXACT_INTS)]))
+        try:
+            exact = pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
+                                 parse_options=options).column(name)
+        except pa.ArrowInvalid:
+            continue
+        table = table.set_column(table.schema.get_field_index(name), name, exact)
+    return table
 
 
 def _first_bad_line(chunk: bytes) -> tuple[int, str] | None:

@@ -90,6 +90,9 @@ def test_jsonl_seeds_of_64_bits_are_exact_in_every_row(tmp_path):
     seeds = [2**64 - 1, 2**60 + 1, 2**60, -5, None]
     rows = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "seed": s} for s in seeds])
     assert [r.sampling_params.seed for r in requests(rows)] == seeds
+    other = write_jsonl(tmp_path / "other.jsonl", [{"prompt": "a", "seed": 2**64 - 1}, {"prompt": "b", "n": 1.5}])
+    assert [(r.error, r.sampling_params and r.sampling_params.seed) for r in requests(other)] == [
+        (None, 2**64 - 1), ("n 1.5 is not a valid int", None)]  # a fraction in one column leaves the others exact
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "a", "seed": s} for s in (2**64 - 1, 2.5, 7)])
     assert [r.error for r in requests(mixed)] == [
         f"seed {float(2**64)!r} is a float of 2^53 or more, which holds only some ints (the one written may have "

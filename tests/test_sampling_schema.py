@@ -39,6 +39,8 @@ def test_the_config_keys_and_the_row_columns_are_the_fields(make_config):
     ("sampling.stop=['']", r"sampling.stop must not hold an empty string, got \(''\,\)"),
     ("sampling.logprobs=-1", "sampling.logprobs must be >= 0 or null, got -1"),
     ("sampling.top_k=-2", r"sampling.top_k must be >= 1, or -1 or 0 \(off\), got -2"),
+    ("model.eos_token_id=999", r"model.eos_token_id must be a token id below model.vocab_size \(257\)"),
+    ("job=bench job.hf_batch_size=0", r"job.hf_batch_size must be >= 1, got 0"),
     ("sampling.stop=7", "sampling.stop must be a string or a list of strings, got 7"),
     ("job.chat_template_kwargs=5", "job.chat_template_kwargs must be a mapping such as {enable_thinking: false}"),
 ])
@@ -47,7 +49,7 @@ def test_impossible_sampling_settings(make_config, override, message):
     if extra:
         message = message.replace("64", "8")
     with pytest.raises(ConfigError, match=message):
-        validate(make_config(override, *extra))
+        validate(make_config(*override.split(), *extra))
 
 
 @pytest.mark.parametrize("values, message", [
