@@ -295,13 +295,11 @@ def line_chunks(stream) -> Iterator[bytes]:
 
 
 def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, path: Path, line: int, lines: int) -> pa.Table:
-    """A chunk of whole lines (lines of them, the first the file's line `line`) as one block (pyarrow's
-    default block of 1 MiB stops at a longer line); JobError naming the file and the line when it is not
-    JSONL."""
+    """A chunk of whole lines (lines of them, the first the file's line `line`) read by _read_chunk; JobError
+    naming the file and the line when it is not JSONL."""
     where = f"{path}, lines {line}-{line + lines - 1}"
     try:
-        return pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
-                            parse_options=options)
+        return _read_chunk(chunk, options)
     except pa.ArrowInvalid as err:
         twice = re.search(r"Column\(/(.*)\) was specified twice", str(err))
         if twice:
@@ -317,6 +315,12 @@ def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, path: Path, line
         raise JobError(f"job.input: {where} is not readable JSONL ({first_line(err)})") from None
 
 
+def _read_chunk(chunk: bytes, options: pj.ParseOptions | None) -> pa.Table:
+    """The chunk's lines as one block (pyarrow's default block of 1 MiB stops at a longer line)."""
+    return pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
+                        parse_options=options)
+
+
 def _exact_ints(chunk: bytes, table: pa.Table) -> pa.Table:
     """table, with each of its integer sampling columns (a seed, top_k, ...) that came out as floats read again
     as EXACT_INTS: pyarrow makes a column of floats when one of its ints exceeds int64 (a seed of 2^63 or more),
@@ -324,10 +328,8 @@ def _exact_ints(chunk: bytes, table: pa.Table) -> pa.Table:
     error names it), each column on its own. The unified schema keeps EXACT_INTS where every file's chunks
     have it or int64."""
     for name in [f.name for f in table.schema if f.name in INT_SAMPLING and pa.types.is_floating(f.type)]:
-        options = pj.ParseOptions(explicit_schema=pa.schema([(name, EXACT_INTS)]))
         try:
-            exact = pj.read_json(io.BytesIO(chunk), read_options=pj.ReadOptions(block_size=len(chunk) + 1),
-                                 parse_options=options).column(name)
+            exact = _read_chunk(chunk, pj.ParseOptions(explicit_schema=pa.schema([(name, EXACT_INTS)]))).column(name)
         except pa.ArrowInvalid:
             continue
         table = table.set_column(table.schema.get_field_index(name), name, exact)
