@@ -104,7 +104,7 @@ class SamplingParams:
     def for_request(self, request_id) -> "SamplingParams":
         """These settings for the request `request_id`: the same, with request_seed(request_id) where the seed
         is None (so repeated prompts draw apart, and a request draws the same in any run)."""
-        return self if self.seed is not None else replace(self, seed=request_seed(request_id))
+        return self if self.seed is not None else self._seeded(request_seed(request_id))
 
     def clone(self) -> "SamplingParams":
         """A copy (vLLM's method). SamplingParams is frozen: to change a field, dataclasses.replace(params, ...)."""
@@ -112,7 +112,15 @@ class SamplingParams:
 
     def sample(self, index: int) -> "SamplingParams":
         """The settings sample `index` of n draws with: the same, with seed sample_seed(seed, index)."""
-        return self if index == 0 else replace(self, seed=sample_seed(self.seed, index))
+        return self if index == 0 else self._seeded(sample_seed(self.seed, index))
+
+    def _seeded(self, seed: int) -> "SamplingParams":
+        """A copy with this seed, one of request_seed's or sample_seed's (in [0, 2^63): valid), made without
+        replace(), whose check of every field again took ~40 us a copy (a rollout's 8,192 samples: 0.3 s); the
+        fields only, not the cached properties (noise_seed is the seed's)."""
+        params = object.__new__(SamplingParams)
+        params.__dict__.update({name: getattr(self, name) for name in FIELD_KINDS}, seed=seed)
+        return params
 
     @functools.cached_property
     def penalised(self) -> bool:

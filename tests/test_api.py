@@ -302,15 +302,24 @@ def test_vllms_none_values_of_sampling_params(tiny):
 
 
 def test_repeated_prompts_draw_apart_unless_they_share_a_seed(tiny):
-    """Without a seed of its own a request draws with request_seed of its id (its index here), as vLLM's draws
-    differ for repeated prompts: four copies of a prompt give four outputs, the same again on a second call
-    (each output is that of its index's seed given explicitly); with one seed for all they are one output."""
+    """Without a seed of its own a request draws with request_seed of its number among the requests the LLM has
+    run, offset by 2^64 x its seed (the oracle: those seeds given explicitly). Four copies of a prompt give four
+    outputs; a second call draws new ones, as vLLM's do (an RL loop's rollouts); a new LLM with the same seed
+    draws the same sequence of calls, and another seed others; with one seed for all they are one output."""
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    outputs = [o.outputs[0].token_ids for o in tiny.generate(["same"] * 4, params)]
-    assert len({tuple(t) for t in outputs}) == 4
-    assert [o.outputs[0].token_ids for o in tiny.generate(["same"] * 4, params)] == outputs
-    explicit = tiny.generate(["same"] * 4, [dataclasses.replace(params, seed=request_seed(i)) for i in range(4)])
-    assert [o.outputs[0].token_ids for o in explicit] == outputs
+    fresh = LLM(model="tiny", max_model_len=128, device="cpu", max_num_seqs=4)
+    calls = [[o.outputs[0].token_ids for o in fresh.generate(["same"] * 4, params)] for _ in range(2)]
+    assert len({tuple(t) for t in calls[0] + calls[1]}) == 8
+    explicit = [[o.outputs[0].token_ids for o in tiny.generate(["same"] * 4, [
+        dataclasses.replace(params, seed=request_seed(call * 4 + i)) for i in range(4)])] for call in range(2)]
+    assert explicit == calls  # tiny has the same weights: model.seed 0 for both
+    again = LLM(model="tiny", max_model_len=128, device="cpu", max_num_seqs=4)
+    assert [[o.outputs[0].token_ids for o in again.generate(["same"] * 4, params)] for _ in range(2)] == calls
+    seeded = LLM(model="tiny", max_model_len=128, device="cpu", max_num_seqs=4, seed=3)
+    drawn = [o.outputs[0].token_ids for o in seeded.generate(["same"] * 4, params)]
+    expected = seeded.generate(["same"] * 4, [dataclasses.replace(params, seed=request_seed((3 << 64) + i))
+                                              for i in range(4)])
+    assert drawn == [o.outputs[0].token_ids for o in expected]
     shared = tiny.generate(["same"] * 4, dataclasses.replace(params, seed=7))
     assert len({tuple(o.outputs[0].token_ids) for o in shared}) == 1
 

@@ -2,6 +2,7 @@
 one-sample run with that seed; the prompt is prefilled once (the other samples are forked from the first when its
 last prompt chunk is computed); the job writes one row per (id, sample_index) and resumes exactly once per (id,
 sample_index)."""
+import dataclasses
 import errno
 import gc
 import os
@@ -11,9 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
-from engine.sequence import sample_seed
+from engine.sequence import request_seed, sample_seed
 from jobs import JobError
 from jobs.generate import generate_job
 
@@ -43,6 +46,19 @@ def test_samples_are_single_runs_with_derived_seeds(tiny):
         assert tuple(tiny.generate([prompt], alone)[0].outputs[0].token_ids) == sample
     assert sample_seed(11, 0) == 11  # n=1 draws as before
     assert len({sample_seed(s, i) for s in range(50) for i in range(1, 5)}) == 200
+
+
+@given(st.integers(-2**63, 2**64 - 1) | st.none(), st.integers(0, 40), st.floats(0, 2), st.integers(1, 64))
+def test_a_requests_and_a_samples_settings_are_the_checked_copies_with_their_seeds(seed, index, temperature, n):
+    """SamplingParams.for_request and sample copy the settings without checking them again: the oracle is
+    dataclasses.replace's checked copy, with its noise_seed (cached from the seed) and penalised."""
+    params = SamplingParams(temperature=temperature, n=n, seed=seed, presence_penalty=0.5)
+    assert params.noise_seed >= 0 and params.penalised  # cached on params before they are copied
+    request = params.for_request(index)
+    sample = request.sample(index)
+    for copy, expected in ((request, dataclasses.replace(params, seed=request_seed(index) if seed is None else seed)),
+                           (sample, dataclasses.replace(request, seed=sample_seed(request.seed, index)))):
+        assert copy == expected and (copy.noise_seed, copy.penalised) == (expected.noise_seed, expected.penalised)
 
 
 def test_the_other_samples_are_forked_when_the_first_ones_prompt_is_computed(make_config):
