@@ -48,13 +48,16 @@ class RunDirCheck(Callback):
 
     def on_run_start(self, config, **kwargs) -> None:
         directory = Path(config.hydra.run.dir)
-        problem = run_dir_problem(directory)
         try:
+            problem = run_dir_problem(directory)
             if problem:
                 raise JobError(f"hydra.run.dir {directory} {problem}")
             directory.mkdir(parents=True, exist_ok=True)
             _HELD[directory.resolve()] = _lock(directory)
-        except (JobError, OSError) as err:
+        except OSError as err:  # a name too long, a path the kernel refuses (/proc): the checks' or mkdir's
+            print(f"error: hydra.run.dir {directory} cannot be created ({err.strerror or err})", file=sys.stderr)
+            raise SystemExit(1) from None
+        except JobError as err:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
 

@@ -150,6 +150,7 @@ def test_a_model_path_without_weights_or_tokenizer(make_config, tmp_path):
 # -- the entry point: one line on stderr, no traceback, exit code 1 ----------------------------------
 def test_errors_print_one_line_without_a_traceback(tmp_path):
     (tmp_path / "a_file").write_text("not a directory")
+    long_name = "a" * 300  # over the 255 bytes of a file name
     cases = {
         "missing input": ([f"job.input={tmp_path / 'nope.parquet'}"], "error: job.input: no such file"),
         "empty input": (["job.input="], "error: job.input is empty"),
@@ -158,6 +159,8 @@ def test_errors_print_one_line_without_a_traceback(tmp_path):
         "bad value": (["cache.block_size=abc"], "error: cache.block_size must be a whole number, got 'abc'"),
         "run dir is a file": ([f"hydra.run.dir={tmp_path / 'a_file'}"],
                               f"error: hydra.run.dir {tmp_path / 'a_file'} is a file, not a directory"),
+        "run dir name too long": ([f"hydra.run.dir={tmp_path / long_name}"],  # the check's own OSError
+                                  f"error: hydra.run.dir {tmp_path / long_name} cannot be created (File name too long)"),
         "run dir in use": ([f"hydra.run.dir={tmp_path / 'busy'}"],
                            f"error: {tmp_path / 'busy'} is in use by another run (pid {os.getpid()})"),
     }
