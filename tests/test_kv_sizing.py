@@ -1,7 +1,10 @@
 """The KV pool sized from the memory there is, and refused before anything is allocated when it cannot fit
-(engine/kv_cache.py); a CPU pool's memory taken as its blocks are written. Available memory is monkeypatched:
-nothing here allocates more than the tiny model, or touches more than a few pages of a larger pool."""
+(engine/kv_cache.py); a CPU pool's memory taken as its blocks are written; a model whose weights cannot fit
+refused before its build (engine/models/loader.py). Available memory is monkeypatched: nothing here allocates
+more than the tiny model, or touches more than a few pages of a larger pool, but one build of ~150 MB measured
+in a process of its own."""
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +19,7 @@ from engine.engine import LLMEngine
 from engine.errors import ConfigError
 from engine.kv_cache import KVCacheSpec, PagedKVCache, host_memory_available, num_blocks_for
 from engine.model_runner import trial_layout, trial_step
+from engine.models.decoder import FOLDED_NORMS
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -212,3 +216,134 @@ def test_the_rope_tables_peak_is_within_the_checks_estimate():
     before = torch.cuda.memory_allocated()
     rotary.to_empty(device="cuda").reset_buffers()
     assert torch.cuda.max_memory_allocated() - before <= 11 * positions * head_dim
+
+
+QWEN3_8B_PARAMS = 8_190_735_360  # its published size (test_models.py checks the preset's layout against it)
+
+
+class StorageGiven(Exception):
+    """Raised in place of a build's first allocation: the fit check let the model through."""
+
+
+@pytest.fixture
+def no_storage(monkeypatch):
+    """A build that passes the fit check stops at its first allocation (a real preset's would take GBs)."""
+    from engine.models import loader
+
+    def refuse(module, device):
+        raise StorageGiven
+    monkeypatch.setattr(loader, "_give_storage", refuse)
+
+
+@pytest.mark.parametrize("dtype, fits", [(torch.float32, False), (torch.bfloat16, True)])
+def test_weights_beyond_the_memory_available_are_refused_before_the_build(make_config, host_memory, no_storage,
+                                                                           dtype, fits):
+    """Qwen3-8B on a 23 GB host: in float32 its 8.19e9 weights take 32.76 GB, and its largest part, the
+    embedding (151,936 x 4,096), 2.49 GB more in float32 while it is built (it was killed by the kernel, exit
+    137, with no message); in bfloat16 they fit, and the build begins."""
+    from engine.models.loader import build_model
+
+    host_memory(23 * 10**9)
+    finished, embedding = QWEN3_8B_PARAMS * dtype.itemsize, 151_936 * 4_096 * 4
+    if fits:
+        with pytest.raises(StorageGiven):
+            build_model(make_config("model=qwen3-8b").model, CPU, dtype)
+        return
+    with pytest.raises(ConfigError) as err:
+        build_model(make_config("model=qwen3-8b").model, CPU, dtype)
+    assert str(err.value) == (
+        f"model=qwen3-8b in float32 (model.dtype=auto): building its weights needs {(finished + embedding) / 1e9:.2f} "
+        f"GB ({finished / 1e9:.2f} GB, and {embedding / 1e9:.2f} GB more while they are built: a part in float32), "
+        f"but only 23.00 GB is available on the host; choose a smaller model, or model.dtype=bfloat16 (half the bytes)")
+
+
+def test_a_checkpoint_beyond_device_memory_is_named_by_its_path(qwen3_checkpoint, make_config, monkeypatch, no_storage):
+    from engine.models import loader
+
+    path, _ = qwen3_checkpoint
+    monkeypatch.setattr(loader, "memory_available", lambda device: (10**4, f"free on {device}"))  # RoPE's 4 kB fit
+    with pytest.raises(ConfigError, match=rf"^model.path={path} in bfloat16 \(model.dtype=auto\): building its weights "
+                                          r"needs [0-9.]+ GB .* but only 0.00 GB is free on cuda; choose a smaller "
+                                          r"model, or more GPUs \(model.tensor_parallel_size\)$"):
+        loader.build_model(make_config(f"model.path={path}", "model.max_model_len=16").model, CUDA, torch.bfloat16)
+
+
+def held_bytes(model) -> int:
+    """The bytes a built model holds for its weights: the storage under each parameter and buffer, once, but
+    the RoPE tables'."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    tensors = [tensor for name, tensor in named if not name.startswith("model.rotary.")]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+MOE = ("model.architecture=Qwen3MoeForCausalLM", "model.num_experts=4", "model.num_experts_per_tok=2",
+       "model.moe_intermediate_size=32", "model.mlp_only_layers=[1]")
+
+
+@pytest.mark.parametrize("overrides, dtype, world, fp8", [
+    ((), torch.float32, 1, False),
+    (("model.architecture=Qwen2ForCausalLM", "model.tie_word_embeddings=false"), torch.bfloat16, 1, False),
+    (("model.tie_word_embeddings=false",), torch.float32, 2, False),
+    (MOE, torch.bfloat16, 2, False),
+    (("model.tie_word_embeddings=false",), torch.bfloat16, 1, True),
+    (("model.architecture=Qwen2ForCausalLM",), torch.bfloat16, 2, True),
+])
+def test_the_weights_estimate_is_what_the_build_holds(make_config, monkeypatch, overrides, dtype, world, fp8):
+    """loader.weight_bytes' finished weights against the storage a built model holds (each tensor-parallel
+    rank's share, and projections kept in FP8: fp8_gemms made true on the CPU), less nothing but the folded
+    norms it counts as the weights they were: the check refuses no model that fits, and misses no byte."""
+    from engine.models import loader
+    from engine.models.tensor_parallel import Collectives
+
+    monkeypatch.setattr(loader, "fp8_gemms", lambda device, dtype: fp8)
+    cfg = make_config(*overrides, *(["model.quantization=fp8"] if fp8 else [])).model
+    cls, arch, _ = loader.model_spec(cfg, None)
+    folded = len(FOLDED_NORMS) * arch.num_hidden_layers * arch.hidden_size * dtype.itemsize
+    for rank in range(world):
+        group = Collectives(rank, world, lambda t: None, lambda t: t) if world > 1 else None
+        with torch.device("meta"):
+            finished, _ = loader.weight_bytes(cls(arch, cfg.max_model_len), dtype, fp8, group)
+        held = held_bytes(loader.build_model(cfg, CPU, dtype, group)[0])
+        assert held <= finished <= held + (0 if fp8 else folded), rank
+
+
+PEAK_BUILD = """
+import json, sys, torch
+from engine.config import engine_config
+from engine.models import loader
+
+def rss(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+cfg = engine_config("tiny").model
+for key, value in json.loads(sys.argv[1]).items():
+    setattr(cfg, key, value)
+cls, arch, _ = loader.model_spec(cfg, None)
+with torch.device("meta"):
+    finished, building = loader.weight_bytes(cls(arch, cfg.max_model_len), torch.bfloat16, False)
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
+before = rss("VmRSS:")
+model, _ = loader.build_model(cfg, torch.device("cpu"), torch.bfloat16)
+print(rss("VmHWM:") - before, finished + building)
+"""
+SHAPE = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the peak resident size from Linux's /proc/self/status")
+@pytest.mark.parametrize("model", [
+    {**SHAPE, "vocab_size": 32000, "intermediate_size": 1536, "tie_word_embeddings": False},
+    {**SHAPE, "vocab_size": 1000, "intermediate_size": 8192, "quantization": "fp8"},
+], ids=["head-drawn-last", "fp8-rounded-layers"])
+def test_a_builds_peak_is_within_the_weights_estimate(model):
+    """The resident memory of a bfloat16 build on the CPU peaks within weight_bytes' estimate, the weights and
+    one part in float32 beside them: an untied model of ~80 MB whose head (65 MB in float32) is drawn last (its
+    random draw once went through two float32 temporaries of its size: 35 MB more at the peak), and one whose
+    layers (53 MB each in float32) are rounded to FP8 (the rounding once took three float32 copies of a 34 MB
+    projection in Triton's interpreter: 80 MB more). glibc is made to return freed blocks at once (a fixed mmap
+    threshold), so what the resident size counts is live."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", PEAK_BUILD, json.dumps(model)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    peak, estimate = map(int, result.stdout.split())
+    assert peak <= estimate + (16 << 20), (peak, estimate)  # the interpreter's own pages touched on the way

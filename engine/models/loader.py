@@ -3,6 +3,7 @@ resolved to its snapshot in the local hub cache), or with seeded random weights 
 (the embedded default and the benchmarks). Either way a config.json dict describes the model (the
 checkpoint's, or one made of the model.* keys): its architectures pick the class, which reads its arch."""
 import contextlib
+import copy
 import functools
 import itertools
 import json
@@ -22,8 +23,8 @@ from engine.kv_cache import memory_available
 from engine.models.decoder import FOLDED_NORMS, DecoderArch, DecoderForCausalLM, DecoderLayer
 from engine.models.layers import PackedLinear
 from engine.models.moe import StackedExperts
-from engine.models.quantization import (ACTIVATION_SCALES, WeightFormat, dequantize, fp8_gemms, fp8_projections,
-                                        round_projections_to_fp8, store_fp8, weight_format)
+from engine.models.quantization import (ACTIVATION_SCALES, WeightFormat, dequantize, fp8_gemms, fp8_linears,
+                                        fp8_projections, round_projections_to_fp8, store_fp8, weight_format)
 from engine.models.registry import model_class
 from engine.models.tensor_parallel import Collectives, check_divisible, shard_layer, shard_vocab
 from engine.models.rope import is_positive
@@ -37,6 +38,7 @@ COUNT_KEYS = (*SHAPE_KEYS, "num_key_value_heads", "head_dim")  # positive intege
 SCALE_KEYS = ("rms_norm_eps",)  # positive finite numbers where present (rope_theta: engine/models/rope.py)
 COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)  # stored by some checkpoints; the model computes its own
 SKIPPED_INIT = ("normal_", "uniform_", "kaiming_uniform_")  # torch.nn.init's, as the meta layout is built
+VOCAB_PARTS = ("model.embed_tokens", "lm_head")  # the parts a tensor-parallel rank keeps a slice of rows of
 HEADER_FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # safetensors' names
 
 
@@ -309,8 +311,8 @@ def init_random_weights(part: nn.Module, prefix: str, generator: torch.Generator
                 param.fill_(1.0)
             elif name.endswith("bias"):
                 param.zero_()
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator, device=param.device) * std)
+            else:  # drawn into the parameter: no temporaries of its size beside the part (weight_bytes' peak)
+                param.normal_(generator=generator).mul_(std)
 
 
 def check_context(max_positions, max_model_len: int, where: str) -> None:
@@ -332,6 +334,62 @@ def check_rope_tables_fit(max_model_len: int, head_dim: int, device: torch.devic
                           f"{available / 1e9:.2f} GB is {where}; lower model.max_model_len")
 
 
+def weight_bytes(model: DecoderForCausalLM, dtype: torch.dtype, keep_fp8: bool,
+                 group: Collectives | None = None) -> tuple[int, int]:
+    """(the bytes of the weights build_model makes of the meta-device layout `model`, the most it holds
+    beside them while it builds). The weights: each part (model_parts) in dtype, a decoder layer's per-row
+    FP8 projections (keep_fp8) in one byte a weight and a float32 scale a row, a tensor-parallel rank's share
+    of what it splits (a folded norm counts as the weights it was). Beside them: one part in float32, the part
+    being built, and on a rank the embedding and head beyond its share, which it holds whole until the model
+    is built (shard_vocab)."""
+    finished = whole_vocab = largest = 0
+    for prefix, part in model_parts(model):
+        largest = max(largest, sum(p.numel() for p in part.parameters()) * 4)
+        share = _finished_bytes(prefix, part, dtype, keep_fp8, group)
+        if group and prefix in VOCAB_PARTS:
+            whole_vocab += _finished_bytes(prefix, part, dtype, keep_fp8, None) - share
+        finished += share
+    return finished, largest + whole_vocab
+
+
+def _finished_bytes(prefix: str, part: nn.Module, dtype: torch.dtype, keep_fp8: bool,
+                    group: Collectives | None) -> int:
+    """One part's bytes as build_model finishes it (weight_bytes'); a rank's share of a decoder layer is
+    shard_layer's own, made of a copy of its meta layout, of the embedding and head ceil(V / W) rows."""
+    if not isinstance(part, DecoderLayer):
+        world = group.world if group and prefix in VOCAB_PARTS else 1
+        return sum(-(-p.shape[0] // world) * (p.numel() // p.shape[0]) * dtype.itemsize for p in part.parameters())
+    linears = fp8_linears(part) if keep_fp8 else []
+    fp8 = {name for name, module in part.named_modules() if module in linears}
+    if group:
+        part = copy.deepcopy(part)
+        shard_layer(part, group)
+    return sum(p.numel() + 4 * p.shape[0] if name.removesuffix(".weight") in fp8 else p.numel() * dtype.itemsize
+               for name, p in part.named_parameters())
+
+
+def check_weights_fit(model_cfg, model: DecoderForCausalLM, dtype: torch.dtype, keep_fp8: bool,
+                      device: torch.device, group: Collectives | None) -> None:
+    """ConfigError, naming the model and its dtype, where its weights and the build's own peak beside them
+    (weight_bytes) would not fit in the memory available on device: a build would fail allocating them part
+    way (CUDA), or be killed by the kernel with no message (the host). The ranks of a CPU run share the host."""
+    finished, building = weight_bytes(model, dtype, keep_fp8, group)
+    ranks = group.world if group and device.type == "cpu" else 1
+    need, (available, where) = ranks * (finished + building), memory_available(device)
+    if need <= available:
+        return
+    model_key = f"model.path={model_cfg.path}" if model_cfg.path else f"model={model_cfg.name}"
+    dtype_name = str(dtype).removeprefix("torch.")
+    what = f"the {ranks} ranks' shares of its weights" if ranks > 1 else "its weights"
+    held = "a part in float32, and the whole embedding and head" if group else "a part in float32"
+    fixes = ["a smaller model", *(["model.dtype=bfloat16 (half the bytes)"] if dtype.itemsize == 4 else []),
+             *(["more GPUs (model.tensor_parallel_size)"] if device.type == "cuda" else [])]
+    raise ConfigError(f"{model_key} in {dtype_name} (model.dtype={model_cfg.dtype}): building {what} needs "
+                      f"{need / 1e9:.2f} GB ({ranks * finished / 1e9:.2f} GB, and {ranks * building / 1e9:.2f} GB "
+                      f"more while they are built: {held}), but only {available / 1e9:.2f} GB is {where}; "
+                      f"choose {', or '.join(fixes)}")
+
+
 def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
                 group: Collectives | None = None) -> tuple[DecoderForCausalLM, list[int]]:
     """The model on `device` in `dtype`, its FP8 weights dequantized (a checkpoint's) or its projections
@@ -341,7 +399,9 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
     weights in float32 and its final form: the memory a build needs beyond the finished model is one part's
     in float32 (a 70B model in FP8 never exists in bfloat16). group: a tensor-parallel rank's Collectives:
     each layer keeps only the rank's share as soon as it is finished, the embedding and the head once the
-    model is built (engine/models/tensor_parallel.py), so a rank holds its share and one part beyond it."""
+    model is built (engine/models/tensor_parallel.py), so a rank holds its share, one part beyond it and, until
+    the end, the whole embedding and head. A model that would not fit in the memory available is refused
+    before any storage is given (check_weights_fit)."""
     path = resolve_model_path(model_cfg)
     if path:
         check_checkpoint(path, own_tokenizer=not model_cfg.tokenizer)
@@ -357,6 +417,7 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
     round_to_fp8 = model_cfg.quantization == "fp8" and fmt is None  # an FP8 checkpoint is rounded already
     keep_fp8 = (model_cfg.quantization == "fp8" or (fmt is not None and fmt.strategy != "block")) \
         and fp8_gemms(device, dtype)
+    check_weights_fit(model_cfg, model, dtype, keep_fp8, device, group)
     for prefix, part in model_parts(model):
         _give_storage(part, device)
         if checkpoint:

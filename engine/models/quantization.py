@@ -29,6 +29,7 @@ from engine.kv_cache import FP8_CAPABILITY
 from ops import quantize_rows_to_e4m3
 
 ACTIVATION_SCALES = ("input_scale",)  # tensors of a format that the dequantized model does not use
+ROUNDED_ELEMENTS = 1 << 20  # weights of a projection that model.quantization=fp8 rounds at a time (whole rows)
 
 
 @dataclass(frozen=True)
@@ -110,11 +111,14 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, wha
 
 def round_projections_to_fp8(layer) -> None:
     """model.quantization=fp8: every projection of a decoder layer (the Linear modules inside it) becomes
-    the dequantized value of its per-channel e4m3 quantization, in place."""
+    the dequantized value of its per-channel e4m3 quantization, in place, rows of ROUNDED_ELEMENTS weights at
+    a time: the quantization's temporaries (three float32 copies of its input in Triton's interpreter, on the
+    CPU) stay small beside the layer being built."""
     with torch.no_grad():
         for module in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
-            q, scale = quantize_rows_to_e4m3(module.weight.detach())
-            module.weight.copy_(q.float() * scale)
+            for rows in module.weight.detach().split(max(1, ROUNDED_ELEMENTS // module.in_features)):
+                q, scale = quantize_rows_to_e4m3(rows)
+                rows.copy_(q).mul_(scale)
 
 
 def fp8_gemms(device: torch.device, dtype: torch.dtype) -> bool:
@@ -124,15 +128,21 @@ def fp8_gemms(device: torch.device, dtype: torch.dtype) -> bool:
         torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
+def fp8_linears(layer) -> list[torch.nn.Linear]:
+    """The Linear modules of a decoder layer whose sizes torch._scaled_mm takes (multiples of 16): those that
+    fp8_projections rounds, and the loader's memory check counts in FP8."""
+    return [m for m in layer.modules()
+            if isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0]
+
+
 def fp8_projections(layer) -> dict:
-    """{projection: (q e4m3 [out, in], scale float32 [out])} of every Linear in a decoder layer whose
-    sizes torch._scaled_mm takes (multiples of 16), from its weights as they are (float32, before the norm
-    fold): quantize_rows_to_e4m3's, which gives back a per-row FP8 weight's own values."""
+    """{projection: (q e4m3 [out, in], scale float32 [out])} of every Linear of fp8_linears(layer), from its
+    weights as they are (float32, before the norm fold): quantize_rows_to_e4m3's, which gives back a per-row
+    FP8 weight's own values."""
     projections = {}
-    for module in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
-        if module.in_features % 16 == 0 and module.out_features % 16 == 0:
-            q, scale = quantize_rows_to_e4m3(module.weight.detach())
-            projections[module] = (q, scale.reshape(-1))
+    for module in fp8_linears(layer):
+        q, scale = quantize_rows_to_e4m3(module.weight.detach())
+        projections[module] = (q, scale.reshape(-1))
     return projections
 
 
