@@ -9,7 +9,8 @@ a value of the wrong type gets our message (the closest key, the key's type) rat
 import logging
 import sys
 
-STARTUP_INTERRUPTED = "interrupted during start-up: nothing was saved"
+from jobs import STARTUP_INTERRUPTED, log_to_files
+
 log = logging.getLogger("minipaged")
 
 
@@ -20,21 +21,13 @@ def fail(message: str, exit_code: int):
     sys.exit(exit_code)
 
 
-def log_to_files(level: int, message: str) -> None:
-    """Write `message` to the log files (Hydra's <run dir>/run.log, once it has set up logging), not to
-    the console: there, fail's print says it once."""
-    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler):
-            handler.handle(record)
-
-
-try:  # Ctrl-C while Python imports Hydra is start-up too
+try:  # Ctrl-C while Python imports Hydra is start-up too (under engine/run.py, its handler exits at once)
     import atexit
     import dataclasses
     import gc
     import json
     import os
+    import signal
     import typing
 
     import hydra
@@ -180,6 +173,7 @@ def run_job(cfg) -> None:
         log_start(cfg, job)
         warn_escaped_newlines(cfg.sampling)
         started = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the job handles Ctrl-C itself (saving its rows)
         job.run(cfg)
     except UserError as err:
         fail(str(err), err.exit_code)

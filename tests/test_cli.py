@@ -4,6 +4,7 @@ import gc
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -266,6 +267,46 @@ def test_ctrl_c_during_start_up(monkeypatch, capsys, tmp_path, args, where, mess
         run.main()
     assert exit.value.code == 130
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+# Python's -X importtime writes a line to stderr as each import ends: SIGINT is sent as the line of one of these
+# comes, from the entry point's own first imports to Hydra's start (torch's import still running at the third
+# and fourth, numpy's C extension half made at the second; transformers' second of imports still to come at the last)
+START_UP_IMPORTS = ["jobs", "numpy._core.multiarray", "numpy", "torch._C", "jobs.cli", "pyarrow"]
+
+
+def test_ctrl_c_at_any_point_of_the_start_up_exits_130_with_one_line(tmp_path):
+    """Ctrl-C during start-up once misbehaved by where it landed: swallowed inside numpy's import (the job then
+    ran to its end, exit 0), an ImportError or AttributeError of a half-imported module, or a traceback between
+    the handlers (exit -2). At each point, now: the one line, exit 130."""
+    for n, module in enumerate(START_UP_IMPORTS):
+        proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "engine.run", "model.device=cpu",
+                                 f"hydra.run.dir={tmp_path / str(n)}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("import time:") and line.rsplit("|", 1)[1].strip() == module:
+                proc.send_signal(signal.SIGINT)
+                break
+        lines += proc.communicate(timeout=300)[1].splitlines(keepends=True)
+        errors = [line for line in lines if not line.startswith("import time:")]
+        assert any(line.rsplit("|", 1)[-1].strip() == module for line in lines), f"{module} was not imported"
+        assert (proc.returncode, errors) == (130, [f"error: {run.STARTUP_INTERRUPTED}\n"]), module
+
+
+def test_the_start_up_handler_logs_its_line_to_the_run_log(tmp_path):
+    """Once Hydra has opened run.log, the start-up handler writes its line there too, as fail does."""
+    code = ("import logging, os, signal, sys, time\n"
+            "logging.basicConfig(filename=sys.argv[1])\n"
+            "from jobs import exit_interrupted_at_start_up\n"
+            "signal.signal(signal.SIGINT, exit_interrupted_at_start_up)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(60)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run.log")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (130, f"error: {run.STARTUP_INTERRUPTED}\n")
+    assert (tmp_path / "run.log").read_text() == f"ERROR:minipaged:{run.STARTUP_INTERRUPTED}\n"
 
 
 # -- CPU threads -----------------------------------------------------------------------------------
