@@ -186,8 +186,20 @@ def _leaves(node: DictConfig, prefix: str = ""):
 def check_keys(cfg) -> None:
     """Reject keys the schemas do not know (a composed config: Hydra lets `+cache.blok_size=3` through)."""
     job = cfg.job.name if OmegaConf.is_dict(cfg.get("job")) else None
+    if job is not None:
+        check_job_name(cfg.job)
     for key, _ in _leaves(cfg):
         key_field(key, job)
+
+
+def check_job_name(job) -> None:
+    """job.name is the job that job=NAME chose (conf/job/<name>.yaml sets it): set apart (job.name=bench), it
+    would name a job whose keys the config does not have."""
+    chosen = next((name for name, schema in JOB_SCHEMAS.items() if schema is OmegaConf.get_type(job)), None)
+    if chosen is not None and job.name != chosen:
+        what = f"write job={job.name} instead" if job.name in JOB_SCHEMAS else \
+            f"job has no option {job.name!r}; options: {', '.join(sorted(JOB_SCHEMAS))}"
+        raise ConfigError(f"job.name={job.name}: the job is chosen with job=NAME, not job.name; {what}")
 
 
 def check_executor(e) -> None:
@@ -227,6 +239,13 @@ def validate(cfg) -> None:
         check_value(j.output_format in ("parquet", "openai"), "job.output_format", "must be 'parquet' or 'openai'", j.output_format)
         check_value(j.reasoning_parser is None or j.reasoning_parser in REASONING_PARSERS, "job.reasoning_parser",
                f"must be null or one of {', '.join(REASONING_PARSERS)}", j.reasoning_parser)
+    if cfg.job.name == "analyze":
+        j = cfg.job
+        if not OmegaConf.is_missing(j, "root"):  # the job itself says how to set it
+            check_value(bool(j.root.strip()), "job.root", "is empty: give a sweep directory, e.g. "
+                        "job.root=multirun/bench/<time>", j.root)
+        check_value(j.out is None or bool(j.out.strip()), "job.out", "must name a directory, or be null (job.root)",
+                    j.out)
     if cfg.job.name == "bench":
         for key in ("input_len", "output_len"):
             lo_hi = list(cfg.job[key])

@@ -112,6 +112,23 @@ def test_float_keys_must_be_finite(make_config, override):
         validate(make_config(override))
 
 
+@pytest.mark.parametrize("overrides, message", [
+    # it said "unknown config key 'job.name': job is a value, not a group of keys": a known key, of a group
+    (["job.name=foo"], "job.name=foo: the job is chosen with job=NAME, not job.name; job has no option 'foo'; "
+                       "options: analyze, bench, generate"),
+    (["job=bench", "job.name=analyze"], "job.name=analyze: the job is chosen with job=NAME, not job.name; write "
+                                        "job=analyze instead"),
+    (["job=analyze", "job.root=''"], "job.root is empty: give a sweep directory, e.g. job.root=multirun/bench/<time>, "
+                                     "got ''"),  # it analyzed the working directory
+    (["job=analyze", "job.root=runs", "job.out=''"], "job.out must name a directory, or be null (job.root), got ''"),
+])
+def test_job_keys_that_cannot_work_are_named(make_config, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate(make_config(*overrides))
+    assert str(err.value) == message
+    validate(make_config("job=bench", "job.name=bench"))  # the job chosen, named again: nothing wrong
+
+
 # -- the entry point: one line, once, no traceback -------------------------------------------------
 def test_errors_print_once_on_one_line(qwen3_checkpoint, tmp_path):
     broken = tmp_path / "broken"
@@ -130,6 +147,8 @@ def test_errors_print_once_on_one_line(qwen3_checkpoint, tmp_path):
                            "job.input: KeyError raised while resolving interpolation: \"Environment variable "
                            "'MINIPAGED_TEST_UNSET' not found\""),
         "missing key": (["sampling.max_tokens=${job.nope}"], "sampling.max_tokens: Interpolation key 'job.nope' not found"),
+        "job.name": (["job.name=foo"], "job.name=foo: the job is chosen with job=NAME, not job.name"),
+        "empty job.root": (["job=analyze", "job.root="], "job.root is empty: give a sweep directory"),
     }
     env = {**ENV, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     procs = {name: engine_run(*args, f"hydra.run.dir={tmp_path / str(n)}", "model.device=cpu", env=env)
