@@ -65,6 +65,7 @@ DEFAULT_ID_COLUMN = "id"
 ROW_SAMPLING = [f.name for f in dataclasses.fields(SamplingParams)]  # per-row columns: every sampling field
 INT_SAMPLING = [name for name, (element, many, _) in FIELD_KINDS.items() if element is int and not many]
 EXACT_INTS = pa.decimal128(38, 0)  # every 64-bit int (a seed takes -2^63 to 2^64 - 1), exactly
+INT64 = (-2**63, 2**63 - 1)  # the ids' range
 UNIFORM_KEYS = re.compile(rb'"(structured_outputs|response_format|stop)"')  # JSONL lines that uniform_values rewrites
 OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
 CHAT_URL = "/v1/chat/completions"
@@ -212,8 +213,10 @@ class InputFiles:
             for table in self._jsonl_tables(path, None):
                 yield path, table.schema, table.num_rows
 
-    def _jsonl_tables(self, path: Path, schema: pa.Schema | None) -> Iterator[pa.Table]:
-        """The file's chunks of whole lines that hold rows, parsed (with `schema` when given)."""
+    def _jsonl_tables(self, path: Path, schema: pa.Schema | None, exact: list[str] = INT_SAMPLING
+                      ) -> Iterator[pa.Table]:
+        """The file's chunks of whole lines that hold rows, parsed (with `schema` when given; else with the
+        columns of `exact` and the bodies' integer fields read exactly: _exact_ints)."""
         options = pj.ParseOptions(explicit_schema=schema) if schema is not None else None
         line = 1
         try:
@@ -228,7 +231,7 @@ class InputFiles:
                         raise _PartLists()
                     table = _parse_jsonl(chunk, options, path, line, lines)
                     if schema is None:
-                        table = _exact_ints(chunk, table)
+                        table = _exact_ints(chunk, table, exact)
                     if table.num_rows:
                         yield table
                     line += lines
@@ -259,6 +262,22 @@ class InputFiles:
                 yield from parquet.iter_batches(batch_size=batch_size, columns=present)
         except (pa.ArrowException, OSError) as err:
             raise _not_parquet(path, err) from None
+
+    def first_beyond_int64(self, column: str) -> tuple[Path, int, int] | None:
+        """(file, row, value) of the first integer of JSONL column `column` beyond the 64-bit range, the
+        column read again exactly (pyarrow reads a column that holds one as floats, rounded); None if there is
+        none (or a value is not whole)."""
+        row = 0
+        for path in self.paths:
+            for table in self._jsonl_tables(path, None, exact=[column]):
+                exact = column in table.schema.names and table.schema.field(column).type == EXACT_INTS
+                values = table.column(column).to_pylist() if exact else []
+                beyond = next((i for i, v in enumerate(values) if v is not None and not INT64[0] <= v <= INT64[1]),
+                              None)
+                if beyond is not None:
+                    return path, row + beyond, int(values[beyond])
+                row += table.num_rows
+        return None
 
     def fingerprint(self) -> list:
         try:
@@ -321,19 +340,45 @@ def _read_chunk(chunk: bytes, options: pj.ParseOptions | None) -> pa.Table:
                         parse_options=options)
 
 
-def _exact_ints(chunk: bytes, table: pa.Table) -> pa.Table:
-    """table, with each of its integer sampling columns (a seed, top_k, ...) that came out as floats read again
-    as EXACT_INTS: pyarrow makes a column of floats when one of its ints exceeds int64 (a seed of 2^63 or more),
-    which rounds every int of 2^53 or more. A column with a value that is not whole stays floats (its row's
-    error names it), each column on its own. The unified schema keeps EXACT_INTS where every file's chunks
-    have it or int64."""
-    for name in [f.name for f in table.schema if f.name in INT_SAMPLING and pa.types.is_floating(f.type)]:
-        try:
-            exact = _read_chunk(chunk, pj.ParseOptions(explicit_schema=pa.schema([(name, EXACT_INTS)]))).column(name)
-        except pa.ArrowInvalid:
-            continue
-        table = table.set_column(table.schema.get_field_index(name), name, exact)
+def _exact_ints(chunk: bytes, table: pa.Table, names: list[str]) -> pa.Table:
+    """table, with each of its columns of `names` (the integer sampling columns: a seed, top_k, ...) and each
+    integer field of its OpenAI bodies (BODY_INTS: body.seed, body.max_completion_tokens, ...) that came out as
+    floats read again as EXACT_INTS: pyarrow makes a column of floats when one of its ints exceeds int64 (a
+    seed of 2^63 or more), which rounds every int of 2^53 or more. A column with a value that is not whole stays
+    floats (its row's error names it), each column on its own. The unified schema keeps EXACT_INTS where every
+    file's chunks have it or int64."""
+    for name in _float_fields(table.schema, names):
+        exact = _exact_column(chunk, name, EXACT_INTS)
+        if exact is not None:
+            table = table.set_column(table.schema.get_field_index(name), name, exact)
+    body = table.schema.field("body").type if "body" in table.schema.names else None
+    for name in _float_fields(body, BODY_INTS) if body is not None and pa.types.is_struct(body) else []:
+        exact = _exact_column(chunk, "body", pa.struct([(name, EXACT_INTS)]))
+        if exact is not None:
+            table = table.set_column(table.schema.get_field_index("body"), "body",
+                                     _with_field(table.column("body"), name, pc.struct_field(exact, name)))
     return table
+
+
+def _float_fields(fields, names: list[str]) -> list[str]:
+    """The fields of `fields` (a schema or a struct type) named in `names` whose values are floats."""
+    return [f.name for f in fields if f.name in names and pa.types.is_floating(f.type)]
+
+
+def _exact_column(chunk: bytes, name: str, kind: pa.DataType) -> pa.ChunkedArray | None:
+    """Column `name` of the chunk read again as `kind`; None where a value does not fit it (not whole)."""
+    try:
+        return _read_chunk(chunk, pj.ParseOptions(explicit_schema=pa.schema([(name, kind)]))).column(name)
+    except pa.ArrowInvalid:
+        return None
+
+
+def _with_field(structs: pa.ChunkedArray, name: str, values: pa.ChunkedArray) -> pa.ChunkedArray:
+    """The struct column with its field `name` replaced by `values` (same rows), in its place."""
+    whole = structs.combine_chunks()
+    fields = [pa.field(name, values.type) if f.name == name else f for f in whole.type]
+    children = [values.combine_chunks() if f.name == name else child for f, child in zip(whole.type, whole.flatten())]
+    return pa.chunked_array([pa.StructArray.from_arrays(children, fields=fields, mask=whole.is_null())])
 
 
 def _first_bad_line(chunk: bytes) -> tuple[int, str] | None:
@@ -501,6 +546,11 @@ def check_ids(source: InputFiles, column: str | None) -> pa.DataType:
     if column is None:
         return pa.int64()
     kind = _plain_type(source.schema.field(column).type)
+    beyond = source.first_beyond_int64(column) if source.format == "jsonl" and pa.types.is_floating(kind) else None
+    if beyond:
+        path, row, value = beyond
+        raise JobError(f"job.id_column: column {column!r} of {path} holds {value} (row {row} of the input), beyond the "
+                       f"64-bit integer range (-2^63 to 2^63 - 1): give ids this large as strings")
     if not (pa.types.is_integer(kind) or _is_text(kind)):
         raise JobError(f"job.id_column: column {column!r} holds {kind}; ids must be integers or strings")
     ids = pa.chunked_array([b.column(0) for b in source.batches([column], 1 << 16)], source.schema.field(column).type)
@@ -598,6 +648,7 @@ def response_format_constraint(response_format) -> dict | None:
 
 # SamplingParams field -> the body field its value is read from, when the body has that field
 BODY_FIELDS = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
+BODY_INTS = [*INT_SAMPLING, *BODY_FIELDS.values()]  # a body's integer fields, read exactly (_exact_ints)
 
 
 def body_message(message: str, body: dict) -> str:

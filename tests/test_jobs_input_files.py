@@ -100,6 +100,37 @@ def test_jsonl_seeds_of_64_bits_are_exact_in_every_row(tmp_path):
         f"64 bits)", "seed 2.5 is not a valid int", None]
 
 
+def test_openai_body_seeds_of_64_bits_are_exact_in_every_row(tmp_path):
+    """The bodies' integer fields are read as the plain JSONL columns are: one seed beyond int64 made pyarrow
+    read body.seed as floats, so 2^60 + 1 was an error row ("a float of 2^53 or more"); a float literal of an
+    int (1e17) was one too. Each runs with its exact value now, and a seed beyond 64 bits is its row's error."""
+    bodies = ['"seed": 1152921504606846977', '"seed": 18446744073709551617', '"seed": 1e17',
+              '"seed": 18446744073709551615', '"max_completion_tokens": 3.0, "seed": 9007199254740993']
+    path = tmp_path / "batch.jsonl"
+    path.write_text("".join(f'{{"custom_id": "r{i}", "url": "/v1/chat/completions", "body": {{"model": "m", '
+                            f'"messages": [{{"role": "user", "content": "hi"}}], {body}}}}}\n'
+                            for i, body in enumerate(bodies)))
+    assert [(r.error, r.sampling_params and r.sampling_params.seed) for r in requests(path)] == [
+        (None, 2**60 + 1), ("seed must fit in 64 bits (-2^63 to 2^64 - 1), got 18446744073709551617", None),
+        (None, 10**17), (None, 2**64 - 1), (None, 2**53 + 1)]
+    assert requests(path)[4].sampling_params.max_tokens == 3
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 + 5, -2**63 - 1])
+def test_jsonl_ids_beyond_64_bits_are_named_with_their_row(tmp_path, value):
+    """An id beyond int64 made pyarrow read the id column as floats, refused as "holds double": the message now
+    names the id, exactly, and its row. Ids that are fractions are still floats."""
+    path = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a"}, {"id": 2, "prompt": "b"},
+                                               {"id": value, "prompt": "c"}])
+    with pytest.raises(JobError) as err:
+        open_input(job(path))
+    assert str(err.value) == (f"job.id_column: column 'id' of {path} holds {value} (row 2 of the input), beyond the "
+                              f"64-bit integer range (-2^63 to 2^63 - 1): give ids this large as strings")
+    fractions = write_jsonl(tmp_path / "fractions.jsonl", [{"id": 1.5, "prompt": "a"}, {"id": value, "prompt": "b"}])
+    with pytest.raises(JobError, match=r"^job.id_column: column 'id' holds double; ids must be integers or strings$"):
+        open_input(job(fractions))
+
+
 # -- 3. empty JSONL ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("output_format", ["parquet", "openai"])
 def test_an_empty_jsonl_file_writes_an_empty_output_as_a_0_row_parquet_file_does(make_config, tmp_path, output_format):
