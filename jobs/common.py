@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from engine.llm import EngineSettings
 from jobs import JobError
-from jobs.parquet import OutputError, write_atomic
+from jobs.parquet import OutputError, remove_temporaries, write_atomic
 from jobs.processor import Run
 
 log = logging.getLogger("minipaged")
@@ -66,8 +66,9 @@ _HELD: dict[Path, object] = {}  # run directories this process holds the lock of
 
 
 def _lock(directory: Path):
-    """<directory>/.minipaged.lock, open and locked (flock) with this process's pid in it; JobError naming
-    the holder's pid if another open file of it holds the lock."""
+    """<directory>/.minipaged.lock, open and locked (flock) with this process's pid in it, and the temporary
+    files that an earlier run killed mid-write left there removed; JobError naming the holder's pid if another
+    open file of it holds the lock."""
     path = directory / LOCK_NAME
     try:
         file = open(path, "a+")
@@ -85,6 +86,7 @@ def _lock(directory: Path):
     file.truncate()
     file.write(f"{os.getpid()}\n")
     file.flush()
+    remove_temporaries(directory)
     return file
 
 

@@ -9,11 +9,14 @@ Readers of several runs (jobs/analyze.py) accept every version listed in SCHEMA_
 Every file is written to a temporary name of its own beside its final path (hidden, with the writer's pid
 and a random tag: two writers never share one) and renamed into place, so a reader never sees a partial
 file. A write that fails (a full disk, a read-only directory, a directory that is a file) removes its
-temporary file and raises OutputError naming the file.
+temporary file and raises OutputError naming the file; one killed mid-write leaves it, for the next run in
+that directory to remove (remove_temporaries).
 """
 import contextlib
 import json
+import logging
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,8 @@ from omegaconf import OmegaConf
 
 from jobs import JobError
 
+log = logging.getLogger("minipaged")
+TEMPORARY_NAME = re.compile(r"\..+\.\d+-[0-9a-f]+\.tmp")  # atomic_path's: .<name>.<pid>-<tag>.tmp
 SCHEMA_VERSION = "3"
 SCHEMA_VERSIONS = ("1", "2", "3")  # versions a reader of old runs understands
 META_VERSION, META_CONFIG = b"minipaged.schema_version", b"minipaged.config"
@@ -52,6 +57,16 @@ def atomic_path(path: Path) -> Iterator[Path]:
         raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
     finally:
         with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def remove_temporaries(directory: Path) -> None:
+    """Remove the temporary files of atomic_path in `directory` whose writer was killed mid-write (SIGKILL: its
+    own cleanup never ran), which would stay there for good. Only where no writer of ours is at work: a run
+    directory whose lock this process has just taken (jobs/common.py)."""
+    for tmp in directory.glob(".*.tmp"):
+        if TEMPORARY_NAME.fullmatch(tmp.name):
+            log.info("removing %s, left by an interrupted write", tmp)
             tmp.unlink(missing_ok=True)
 
 

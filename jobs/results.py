@@ -53,7 +53,8 @@ from engine.models.loader import HUB_FILES, resolve_model_path
 from jobs import JobError
 from jobs.common import signal_handlers
 from jobs.inputs import file_hash, fingerprint_change
-from jobs.parquet import META_CONFIG, OutputError, atomic_path, flatten, schema_with_metadata, write_atomic
+from jobs.parquet import (META_CONFIG, OutputError, atomic_path, flatten, remove_temporaries, schema_with_metadata,
+                          write_atomic)
 
 log = logging.getLogger("minipaged")
 PART_GLOB = "part-*.parquet"
@@ -184,9 +185,7 @@ class ResultWriter:
         self._next = 1 + max((int(p.stem.split("-")[1]) for p in self.parts), default=-1)
 
     def _load_parts(self) -> None:
-        for tmp in self.parts_dir.glob(".*.tmp"):  # a part being written when a run was killed
-            log.info("removing %s, left by an interrupted write", tmp)
-            tmp.unlink(missing_ok=True)
+        remove_temporaries(self.parts_dir)  # a part being written when a run was killed
         self.parts = sorted(p for p in self.parts_dir.glob(PART_GLOB) if p.stem.split("-")[1].isdigit())
         current = output_settings(_plain(self.cfg)) if self.cfg is not None else None
         for index, part in enumerate(self.parts):

@@ -206,6 +206,34 @@ def test_a_job_resumes_from_its_input_by_a_relative_or_an_absolute_path(make_con
     assert {p.name: p.read_bytes() for p in (run / "generations.parts").iterdir()} == before
 
 
+KILLED_MID_WRITE = """
+import os, signal, sys
+from pathlib import Path
+from jobs.parquet import atomic_path
+
+with atomic_path(Path(sys.argv[1])) as tmp:
+    tmp.write_bytes(b"PAR1 the first half of the final file")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_temporary_file_left_by_a_kill_is_removed_by_the_next_run(make_config, tmp_path):
+    """A job killed while it wrote its final file left the temporary file in the run directory for good (only
+    the parts' were removed): the next run there, which holds the directory's lock, removes it; a file of
+    that kind of name but not of ours stays."""
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "in.parquet")
+    run = tmp_path / "run"
+    run.mkdir()
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE, str(run / "generations.parquet")], cwd=ROOT,
+                            capture_output=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    [left] = run.glob(".generations.parquet.*.tmp")
+    (run / ".notes.tmp").write_text("the user's")
+    generate_job(make_config(f"job.input={tmp_path / 'in.parquet'}", "model.device=cpu", "sampling.max_tokens=2"), run)
+    assert not left.exists() and (run / ".notes.tmp").exists()
+    assert pq.read_table(run / "generations.parquet").num_rows == 2
+
+
 def test_top_k_off_by_either_spelling_is_no_change(make_config, tmp_path):
     """-1 and 0 both turn top_k off: a resume that spells it the other way computes the same rows."""
     first, other = make_config(), make_config("sampling.top_k=0")
