@@ -66,12 +66,19 @@ def drawn_tokens(step: InFlight, tokens: list, rows: list[int] | None = None
             for j in range(step.steps[row]))
 
 
+def dtype_name(model_cfg) -> str:
+    """model.dtype in effect: auto is bfloat16 where the model runs on CUDA (model.device cuda, or auto with a
+    CUDA device present), float32 on the CPU."""
+    cuda = model_cfg.device == "cuda" or (model_cfg.device == "auto" and torch.cuda.is_available())
+    return model_cfg.dtype if model_cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+
+
 def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
     cuda = torch.cuda.is_available()
     if model_cfg.device == "cuda" and not cuda:
         raise ConfigError("model.device is 'cuda' but no CUDA device is available")
     device = torch.device("cuda" if model_cfg.device == "cuda" or (model_cfg.device == "auto" and cuda) else "cpu")
-    name = model_cfg.dtype if model_cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    name = dtype_name(model_cfg)
     if device.type == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise ConfigError("model.dtype bfloat16 is not supported by this CUDA device; use float16")
     try:  # a dtype the device cannot compute in fails here, with its name, not in the first step

@@ -12,9 +12,10 @@ model fingerprint against its own, then reads the parts' `row` columns into `sav
 row, the index of the part that holds it, -1 if none (4 MB for a million rows). Those rows are not
 computed again; a row found in two parts keeps the first. The model fingerprint (model_fingerprint) holds
 what the settings do not: the sampling values in effect (the sampling.* keys with the checkpoint's
-generation_config.json defaults resolved) and model.path's files (those a checkpoint is read from,
-loader.HUB_FILES): weights by size and mtime (hashing gigabytes at every start would cost more than it
-guards), the others (config, generation config, tokenizer, chat template) by a hash of their bytes.
+generation_config.json defaults resolved), the dtype in effect (model.dtype auto resolved for the device)
+and model.path's files (those a checkpoint is read from, loader.HUB_FILES): weights by size and mtime
+(hashing gigabytes at every start would cost more than it guards), the others (config, generation config,
+tokenizer, chat template) by a hash of their bytes.
 
 Finalize. The final file is written in input order, one batch of input rows at a time: the input is read
 again (id and carried columns) in batches, saved[lo:hi] names the parts that hold rows [lo, hi), each of
@@ -48,6 +49,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import decoders
 
+from engine.engine import dtype_name
 from engine.generation_config import read_generation_config, resolve_sampling
 from engine.models.loader import HUB_FILES, resolve_model_path
 from jobs import JobError
@@ -101,8 +103,9 @@ def output_names() -> set[str]:
 
 
 def model_fingerprint(cfg) -> dict:
-    """{"sampling": the SamplingParams in effect, as JSON values; "files": model.path's files (HUB_FILES) by
-    name: "<size> bytes, mtime <ns>" for weights, "blake2b <hash>" for the others}; no files without one."""
+    """{"sampling": the SamplingParams in effect, as JSON values; "dtype": model.dtype in effect (auto
+    resolved: engine.engine.dtype_name); "files": model.path's files (HUB_FILES) by name: "<size> bytes, mtime
+    <ns>" for weights, "blake2b <hash>" for the others}; no files without one."""
     path = resolve_model_path(cfg.model)
     with _quiet():  # the engine logs where each sampling value came from; once is enough
         sampling = dataclasses.asdict(resolve_sampling(cfg.sampling, read_generation_config(path)))
@@ -113,7 +116,8 @@ def model_fingerprint(cfg) -> dict:
             stat = file.stat()
             files[file.name] = f"{stat.st_size} bytes, mtime {stat.st_mtime_ns}" if file.suffix == ".safetensors" \
                 else f"blake2b {file_hash(file)}"
-    return json.loads(json.dumps({"sampling": sampling, "files": files}))  # tuples as lists, as read back
+    fingerprint = {"sampling": sampling, "dtype": dtype_name(cfg.model), "files": files}
+    return json.loads(json.dumps(fingerprint))  # tuples as lists, as read back
 
 
 @contextmanager
@@ -128,13 +132,15 @@ def _quiet():
 
 
 def model_change(before: dict, now: dict) -> str | None:
-    """How the sampling values in effect and model.path's files differ from `before` (model_fingerprint's),
-    in words; None if they do not."""
+    """How the sampling values in effect, the dtype in effect (where `before` has it: parts written since)
+    and model.path's files differ from `before` (model_fingerprint's), in words; None if they do not."""
     changes = []
     sampling = _changed(before["sampling"], now["sampling"])
     if sampling:
         changes.append("the sampling values in effect changed (" + ", ".join(
             f"{k}: {before['sampling'].get(k)!r} -> {now['sampling'].get(k)!r}" for k in sampling) + ")")
+    if "dtype" in before and before["dtype"] != now["dtype"]:
+        changes.append(f"the model's dtype in effect changed (model.dtype: {before['dtype']} -> {now['dtype']})")
     old, new = before["files"], now["files"]
     files = _changed(old, new)
     if files:
@@ -142,6 +148,12 @@ def model_change(before: dict, now: dict) -> str | None:
             f"{k} is new" if k not in old else f"{k} is gone" if k not in new else f"{k}: {old[k]} -> {new[k]}"
             for k in files) + ")")
     return "; ".join(changes) or None
+
+
+def _in_effect(key: str, model: dict | None) -> bool:
+    """Whether a part's model fingerprint (None: it has none) holds setting `key` in effect, for model_change
+    to compare: then its value as set may differ (unset -> the checkpoint's value, auto -> float32 on the CPU)."""
+    return model is not None and (key.startswith("sampling.") or (key == "model.dtype" and "dtype" in model))
 
 
 def _changed(before: dict, now: dict) -> list:
@@ -209,13 +221,13 @@ class ResultWriter:
 
     def _check_same_run(self, part: Path, metadata: dict, current: dict | None) -> None:
         """JobError if the part was written with other output settings, from another input or with other
-        sampling values in effect or model files."""
+        sampling values or dtype in effect or model files."""
         run_dir = self.parts_dir.parent
-        in_effect = self.model is not None and META_MODEL in metadata  # the sampling values compared below
+        model = json.loads(metadata[META_MODEL]) if self.model is not None and META_MODEL in metadata else None
         if current is not None:
             before = output_settings(json.loads(metadata.get(META_CONFIG, b"{}")))
-            changed = sorted(k for k in before.keys() & current.keys() if before[k] != current[k]
-                             and not (in_effect and k.startswith("sampling.")))  # unset -> the same value is no change
+            changed = sorted(k for k in before.keys() & current.keys()
+                             if before[k] != current[k] and not _in_effect(k, model))
             if changed:
                 diff = ", ".join(f"{k}: {before[k]!r} -> {current[k]!r}" for k in changed[:5])
                 raise JobError(f"{run_dir} holds rows generated with other settings ({diff}); "
@@ -225,8 +237,8 @@ class ResultWriter:
             if change:
                 raise JobError(f"job.input: {change} since the rows in {run_dir} were generated from it; resuming "
                                f"would mix two inputs: restore it or use a new hydra.run.dir")
-        if self.model is not None and META_MODEL in metadata:
-            change = model_change(json.loads(metadata[META_MODEL]), self.model)
+        if model is not None:
+            change = model_change(model, self.model)
             if change:
                 raise JobError(f"{change} since the rows in {run_dir} were generated: resuming would mix rows of two "
                                f"configurations; restore them or use a new hydra.run.dir")

@@ -234,6 +234,21 @@ def test_a_temporary_file_left_by_a_kill_is_removed_by_the_next_run(make_config,
     assert pq.read_table(run / "generations.parquet").num_rows == 2
 
 
+def test_model_dtype_compares_as_it_takes_effect(make_config, tmp_path):
+    """auto is float32 on the CPU: a resume that sets float32 computes the same rows (it was refused: "other
+    settings (model.dtype: 'auto' -> 'float32')"), as one that keeps auto does; another dtype is refused, named
+    as it takes effect."""
+    auto = make_config("model.device=cpu")
+    writer = ResultWriter(tmp_path, 4, auto, FINGERPRINT, flush_every=1, model=model_fingerprint(auto))
+    writer.add(row(0))
+    for same in (make_config("model.device=cpu", "model.dtype=float32"), auto):
+        assert ResultWriter(tmp_path, 4, same, FINGERPRINT, model=model_fingerprint(same)).resumed == 1
+    other = make_config("model.device=cpu", "model.dtype=bfloat16")
+    with pytest.raises(JobError, match=r"^the model's dtype in effect changed \(model.dtype: float32 -> bfloat16\) "
+                                       r"since the rows in"):
+        ResultWriter(tmp_path, 4, other, FINGERPRINT, model=model_fingerprint(other))
+
+
 def test_top_k_off_by_either_spelling_is_no_change(make_config, tmp_path):
     """-1 and 0 both turn top_k off: a resume that spells it the other way computes the same rows."""
     first, other = make_config(), make_config("sampling.top_k=0")
