@@ -67,7 +67,13 @@ INT_SAMPLING = [name for name, (element, many, _) in FIELD_KINDS.items() if elem
 EXACT_INTS = pa.decimal128(38, 0)  # every 64-bit int (a seed takes -2^63 to 2^64 - 1), exactly
 INT64 = (-2**63, 2**63 - 1)  # the ids' range
 UNIFORM_KEYS = re.compile(rb'"(structured_outputs|response_format|stop)"')  # JSONL lines that uniform_values rewrites
-OPENAI_IGNORED = ("model", "messages")  # fields of body that are not sampling values (the model is the job's)
+# fields of body that are not sampling values: the model (the job's), the messages, and those of OpenAI's request
+# that do not change what is generated (a user or metadata tag, storage, streaming: a batch answers whole)
+OPENAI_IGNORED = ("model", "messages", "user", "metadata", "store", "service_tier", "stream", "stream_options",
+                  "parallel_tool_calls", "prediction")
+# fields of OpenAI's request that would change what is generated and that the engine does not do: an error row
+OPENAI_UNSUPPORTED = ("logit_bias", "tools", "tool_choice", "functions", "function_call", "reasoning_effort",
+                      "audio", "modalities", "web_search_options")
 CHAT_URL = "/v1/chat/completions"
 JSONL_CODECS = {f"{kind}{suffix}": codec for kind in (".jsonl", ".ndjson")  # by name, in any case
                 for suffix, codec in (("", None), (".gz", "gzip"), (".zst", "zstd"), (".zstd", "zstd"))}
@@ -676,6 +682,9 @@ def openai_sampling(body: dict) -> dict:
         raise ValueError("top_logprobs needs logprobs: true")
     if "response_format" in values:
         values["structured_outputs"] = response_format_constraint(values.pop("response_format"))
+    unsupported = next((name for name in OPENAI_UNSUPPORTED if name in values), None)
+    if unsupported:
+        raise ValueError(f"body field {unsupported!r} is not supported (it would change what is generated)")
     unknown = sorted(set(values) - set(ROW_SAMPLING))
     if unknown:
         close = difflib.get_close_matches(unknown[0], ROW_SAMPLING + ["max_completion_tokens", "top_logprobs"], n=1)

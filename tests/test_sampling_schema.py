@@ -167,12 +167,15 @@ def test_a_job_level_value_that_no_row_could_run_with_stops_the_job(make_config,
     assert list((tmp_path / "run").rglob("*.parquet")) == []
 
 
-def test_openai_bodies_unknown_fields_and_n(make_config, chat_checkpoint, tmp_path, one_thread):
+def test_openai_bodies_unknown_ignored_and_unsupported_fields_and_n(make_config, chat_checkpoint, tmp_path, one_thread):
     messages = [{"role": "user", "content": "hi"}]
     lines = [{"custom_id": "a", "body": {"messages": messages, "n": 2, "temperature": 1.0, "max_tokens": 3}},
              {"custom_id": "b", "body": {"messages": messages, "temprature": 1.0}},
              {"custom_id": "c", "body": {"messages": messages, "top_logprobs": 2}},
-             {"custom_id": "d", "body": {"messages": [{"content": "who?"}], "max_tokens": 3}}]
+             {"custom_id": "d", "body": {"messages": [{"content": "who?"}], "max_tokens": 3}},
+             {"custom_id": "e", "body": {"messages": messages, "max_tokens": 3, "user": "u1", "metadata": {"k": "v"},
+                                         "store": False, "stream": False, "parallel_tool_calls": True}},
+             {"custom_id": "f", "body": {"messages": messages, "logit_bias": {"7": 100}}}]
     path = tmp_path / "batch.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     (tmp_path / "run").mkdir()
@@ -182,8 +185,11 @@ def test_openai_bodies_unknown_fields_and_n(make_config, chat_checkpoint, tmp_pa
     results = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
     choices = results[0]["response"]["body"]["choices"]
     assert [c["index"] for c in choices] == [0, 1] and results[0]["response"]["body"]["usage"]["completion_tokens"] == 6
-    assert [r["error"] for r in results[1:]] == ["body has unknown field 'temprature'; did you mean temperature?",
-                                                 "top_logprobs needs logprobs: true", "messages[0] has no role"]
+    assert [r["error"] for r in results[1:]] == [
+        "body has unknown field 'temprature'; did you mean temperature?", "top_logprobs needs logprobs: true",
+        "messages[0] has no role", None, "body field 'logit_bias' is not supported (it would change what is generated)"]
+    # OpenAI's fields that change nothing generated are ignored: the row is the same request without them
+    assert results[4]["response"]["body"]["usage"]["completion_tokens"] == 3
 
 
 def test_logprobs_reach_the_api_and_the_columns():
