@@ -6,7 +6,10 @@ and pyarrow do) or a glob (`data/part-*.parquet`). The files are read in sorted 
 in record batches, and the rows are numbered across them (row numbers are what the saved results refer
 to). All files of one input share one format (JSONL, compressed or not, or Parquet). Their schemas are
 unified: a column absent from a file is null there, integers widen to floats; a column whose types clash
-stops the job, naming the file. A file that is neither says what it is (empty, compressed, text, ...).
+stops the job, naming the file, unless it holds a per-row sampling value: a JSONL first pass that meets one
+of two JSON types (a number in some rows, a string in others) starts again reading that value as its JSON
+text in every row, so that each row's value reaches SamplingParams as written and a row whose value is of
+the wrong type is an error row (_MixedValues). A file that is neither says what it is (empty, compressed, text, ...).
 
 JSONL is read in chunks of whole lines (CHUNK_BYTES, or one line when it is longer: each chunk is parsed
 as one block, so a line of any length reads). A first pass parses every chunk to infer one schema for the
@@ -170,6 +173,17 @@ class _PartLists(Exception):
     every content as a list."""
 
 
+class _MixedValues(Exception):
+    """The first pass over JSONL met a per-row sampling value given as two JSON types (a number in some rows,
+    a string in others): start again, reading that value as its JSON text in every row (json_text_values), so
+    that each row's value reaches SamplingParams as written and a row whose value is of the wrong type is an
+    error row, not the whole input."""
+
+    def __init__(self, path: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.path = path
+
+
 class InputFiles:
     """The files of job.input read as one table: `schema` (unified), `num_rows`, `batches()`.
     conversation_column: the column whose conversations' string contents become text parts when the
@@ -182,11 +196,19 @@ class InputFiles:
         if mixed:
             raise JobError(f"job.input: {spec} mixes JSONL and Parquet files ({self.paths[0]}, {mixed[0]})")
         self.conversation_column, self.content_as_parts = conversation_column, False
-        try:
-            self._scan()
-        except _PartLists:
-            self.content_as_parts = True
-            self._scan()
+        self.json_text: set[tuple[str, ...]] = set()  # sampling values read as JSON text (_MixedValues)
+        while True:  # each restart reads one more thing differently: at most 1 + the sampling fields
+            try:
+                self._scan()
+                break
+            except _PartLists:
+                self.content_as_parts = True
+            except _MixedValues as mixed:
+                if mixed.path in self.json_text:
+                    raise JobError(str(mixed)) from None
+                log.warning("%s: each row's value is read as written, and a row whose value %s cannot take is an "
+                            "error row", mixed, mixed.path[-1])
+                self.json_text.add(mixed.path)
 
     def _scan(self) -> None:
         """Set the unified schema (no columns for JSONL files without a line) and the number of rows."""
@@ -200,8 +222,11 @@ class InputFiles:
                 self.schema = schema if self.schema is None else pa.unify_schemas([self.schema, schema],
                                                                                    promote_options="permissive")
             except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-                raise JobError(f"job.input: the column types of {path} clash with the rows before it "
-                               f"({first_line(err)})") from None
+                message = f"job.input: the column types of {path} clash with the rows before it ({first_line(err)})"
+                value = clashing_value(self.schema, schema) if self.format == "jsonl" else None
+                if value is not None:
+                    raise _MixedValues(value, message) from None
+                raise JobError(message) from None
             self.num_rows += num_rows
         if self.schema is None:
             self.schema = pa.schema([])
@@ -231,6 +256,8 @@ class InputFiles:
                     lines = chunk.count(b"\n") + (not chunk.endswith(b"\n"))
                     if UNIFORM_KEYS.search(chunk):
                         chunk = uniform_values(chunk)
+                    if self.json_text:
+                        chunk = json_text_values(chunk, self.json_text)
                     if self.content_as_parts:
                         chunk = contents_as_parts(chunk, self.conversation_column)
                     elif schema is None and PART_LISTS.search(chunk):
@@ -332,8 +359,12 @@ def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, path: Path, line
                            f"twice in one row") from None
         changed = re.search(r"Column\(/(.*)\) changed from (\w+) to (\w+)", str(err))
         if changed:
-            raise JobError(f"job.input: {where}: column {changed[1]!r} holds {changed[2]} in some rows "
-                           f"and {changed[3]} in others") from None
+            message = (f"job.input: {where}: column {changed[1]!r} holds {changed[2]} in some rows and {changed[3]} "
+                       f"in others")
+            path = tuple(changed[1].split("/"))
+            if options is None and is_sampling_value(path):
+                raise _MixedValues(path, message) from None
+            raise JobError(message) from None
         bad = _first_bad_line(chunk)
         if bad is not None:
             raise JobError(f"job.input: {path}, line {line + bad[0]} is not a JSON object ({bad[1]})") from None
@@ -385,6 +416,56 @@ def _with_field(structs: pa.ChunkedArray, name: str, values: pa.ChunkedArray) ->
     fields = [pa.field(name, values.type) if f.name == name else f for f in whole.type]
     children = [values.combine_chunks() if f.name == name else child for f, child in zip(whole.type, whole.flatten())]
     return pa.chunked_array([pa.StructArray.from_arrays(children, fields=fields, mask=whole.is_null())])
+
+
+def is_sampling_value(path: tuple[str, ...]) -> bool:
+    """Whether a JSON path of an input line holds a per-row sampling value: a top-level SamplingParams field, or
+    a field of an OpenAI body other than those that are not sampling values."""
+    return path[0] in ROW_SAMPLING if len(path) == 1 else len(path) == 2 and path[0] == "body" and \
+        path[1] not in OPENAI_IGNORED
+
+
+def clashing_value(first: pa.Schema, second: pa.Schema) -> tuple[str, ...] | None:
+    """The path of a per-row sampling value (is_sampling_value) whose types in two chunks' schemas do not unify
+    (an int in one chunk, a string in another), if any."""
+    for name in (n for n in first.names if n in second.names):
+        a, b = first.field(name).type, second.field(name).type
+        pairs = [((name,), a, b)]
+        if name == "body" and pa.types.is_struct(a) and pa.types.is_struct(b):
+            pairs = [(("body", a.field(i).name), a.field(i).type, b.field(b.get_field_index(a.field(i).name)).type)
+                     for i in range(a.num_fields) if b.get_field_index(a.field(i).name) >= 0]
+        for path, x, y in pairs:
+            if is_sampling_value(path) and not _unify(x, y):
+                return path
+    return None
+
+
+def _unify(a: pa.DataType, b: pa.DataType) -> bool:
+    try:
+        pa.unify_schemas([pa.schema([("v", a)]), pa.schema([("v", b)])], promote_options="permissive")
+        return True
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return False
+
+
+def json_text_values(chunk: bytes, paths: set[tuple[str, ...]]) -> bytes:
+    """The chunk's lines with the value at each of `paths` (("max_tokens",), ("body", "seed")), where a line has
+    one, as its JSON text (input_rows reads it back). A chunk with a line that json cannot read is left as it
+    is, for pyarrow to report."""
+    lines = []
+    for line in chunk.splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            return chunk
+        for *outer, key in paths:
+            holder = row
+            for name in outer:
+                holder = holder.get(name) if isinstance(holder, dict) else None
+            if isinstance(holder, dict) and holder.get(key) is not None:
+                holder[key] = json.dumps(holder[key])
+        lines.append(json.dumps(row).encode() + b"\n" if isinstance(row, dict) else line)
+    return b"".join(lines)
 
 
 def _first_bad_line(chunk: bytes) -> tuple[int, str] | None:
@@ -578,6 +659,8 @@ def input_rows(source: InputFiles, columns: Columns, batch_size: int) -> Iterato
     (a conversation, its messages without null fields, or None), "sampling" (the row's own values by
     column or body field; nulls left out) and, for an OpenAI batch, "url"."""
     row = 0
+    within = ("body",) if columns.openai else ()
+    as_text = {path[-1] for path in source.json_text if tuple(path[:-1]) == within}  # JSON text of mixed values
     for batch in source.batches(columns.read(), batch_size):
         if columns.openai:
             body = batch.column("body")
@@ -595,7 +678,8 @@ def input_rows(source: InputFiles, columns: Columns, batch_size: int) -> Iterato
         else:
             fields = [{"prompt": p} for p in prompts.cast(pa.binary()).to_pylist()]
         for f, values, url in zip(fields, sampling.to_pylist(), urls):
-            f["sampling"] = {k: _plain_number(v) for k, v in values.items() if v is not None}
+            f["sampling"] = {k: json.loads(v) if k in as_text else _plain_number(v)
+                             for k, v in values.items() if v is not None}
             if columns.openai:
                 f["url"] = url
             yield row, f

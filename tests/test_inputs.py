@@ -88,13 +88,14 @@ def test_jsonl_types_come_from_every_line_not_the_first_ones(tmp_path, monkeypat
     assert source.schema.field("note").type == pa.string() and source.schema.field("n").type == pa.float64()
     table = pa.Table.from_batches(list(source.batches(["prompt", "note", "n", "extra"], 8)))
     assert table.to_pylist() == [{"extra": None, **r} for r in rows[:-1]] + [rows[-1]]
-    lines = [{"prompt": "a" * 80, "n": 1}, {"prompt": "b", "n": "one"}]  # the first line fills a chunk
-    write_jsonl(tmp_path / "clash.jsonl", lines)
+    lines = [{"prompt": "a" * 80, "note": 1}, {"prompt": "b", "note": "one"}]  # the first line fills a chunk
+    write_jsonl(tmp_path / "clash.jsonl", lines)  # a carried column: one type for the output's column
     with pytest.raises(JobError, match=r"the column types of .*clash.jsonl clash with the rows before it "
-                                       r"\(.*Field n has incompatible types: int64 vs string\)"):
+                                       r"\(.*Field note has incompatible types: int64 vs string\)"):
         InputFiles(str(tmp_path / "clash.jsonl"))
     monkeypatch.setattr(jobs.inputs, "CHUNK_BYTES", 1 << 20)  # the same clash inside one chunk
-    with pytest.raises(JobError, match=r"clash.jsonl, lines 1-2: column 'n' holds number in some rows and string in others"):
+    with pytest.raises(JobError, match=r"clash.jsonl, lines 1-2: column 'note' holds number in some rows and string "
+                                       r"in others"):
         InputFiles(str(tmp_path / "clash.jsonl"))
 
 

@@ -37,6 +37,34 @@ def test_stop_strings_and_lists_mix_in_one_jsonl_and_one_batch_file(tmp_path):
     assert [r.sampling_params.stop for r in requests(batch)] == [("END",), ("END", "###")]
 
 
+# -- 0b. a sampling value of the wrong JSON type in some rows ---------------------------------------------
+@pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])  # the types clash across chunks, or inside one
+def test_a_sampling_value_of_another_json_type_is_an_error_row_not_the_whole_input(tmp_path, monkeypatch,
+                                                                                    chunk_bytes):
+    """A per-row value given as another JSON type than the other rows' (a spreadsheet's "5" for max_tokens, a
+    boolean temperature, a number for stop) is read as written: its row is an error row naming the field, as
+    SamplingParams says of that value alone, and the other rows keep their values exactly (a seed of 2^64 - 1
+    too), in a plain JSONL file and in an OpenAI batch file's bodies."""
+    monkeypatch.setattr(jobs.inputs, "CHUNK_BYTES", chunk_bytes)
+    values = [("max_tokens", 3), ("max_tokens", "5"), ("temperature", 0.5), ("temperature", True),
+              ("stop", ["x"]), ("stop", 7), ("seed", 2**64 - 1), ("seed", "9")]
+    expected = []
+    for field, value in values:
+        try:
+            expected.append((getattr(SamplingParams(**{field: value}), field), None))
+        except ValueError as err:  # the oracle: SamplingParams given the value alone
+            expected.append((None, str(err)))
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": f"p{i}", field: value}
+                                                   for i, (field, value) in enumerate(values)])
+    messages = [{"role": "user", "content": "hi"}]
+    batch = write_jsonl(tmp_path / "batch.jsonl", [batch_line(f"b{i}", messages, **{field: value})
+                                                   for i, (field, value) in enumerate(values)])
+    for spec in (plain, batch):
+        got = [(None if r.error else getattr(r.sampling_params, field), r.error)
+               for r, (field, _) in zip(requests(spec), values)]
+        assert got == expected, spec
+
+
 # -- 1. integer fields given non-integral numbers -----------------------------------------------------
 @pytest.mark.parametrize("field", INT_FIELDS)
 def test_a_fraction_for_an_integer_field_is_an_error_row_in_every_input(tmp_path, field):
