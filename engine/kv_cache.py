@@ -81,6 +81,11 @@ def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: tor
 log = logging.getLogger("minipaged")
 HOST_KV_SHARE = 0.5  # of the host memory available after the weights: the rest for activations and everyone else
 MEMINFO = Path("/proc/meminfo")
+PROC_CGROUP, CGROUP_ROOT = Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
+# a memory cgroup's files (limit, usage, the stat key of reclaimable page cache): v2's, then v1's
+CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+NO_LIMIT = 1 << 62  # v1 writes "no limit" as the largest page multiple below 2^63
 
 
 def num_blocks_for(cache_cfg, per_block: int, device: torch.device, max_model_len: int, max_num_seqs: int,
@@ -146,11 +151,56 @@ def check_pool_fits(num_blocks: int, per_block: int, device: torch.device) -> No
 
 def host_memory_available() -> int:
     """Bytes the kernel can still give without swapping: MemAvailable from /proc/meminfo, else
-    os.sysconf's available pages (which leave out reclaimable page cache)."""
+    os.sysconf's available pages (which leave out reclaimable page cache), and no more than the process's
+    memory cgroups leave it (cgroup_memory_headroom)."""
+    available = None
     try:
         for line in MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # in kB
+                available = int(line.split()[1]) * 1024  # in kB
     except (OSError, ValueError, IndexError):
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(available, cgroup_memory_headroom())
+
+
+def cgroup_memory_headroom() -> float:
+    """What the memory cgroups of this process (a container's, a job scheduler's) still let it take before the
+    kernel kills it: the least limit - usage + reclaimable page cache over its cgroup and the ones above it,
+    cgroup v2 or v1; infinity where none sets a limit (or they cannot be read). The host's MemAvailable does
+    not see such a limit: a model or pool that fits the host is killed inside a smaller container."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return math.inf
+    least = math.inf
+    for fields in (line.split(":", 2) for line in lines):  # hierarchy id : controllers : path
+        if len(fields) == 3 and fields[1] == "":
+            least = min(least, _path_headroom(CGROUP_ROOT, fields[2], "v2"))
+        elif len(fields) == 3 and "memory" in fields[1].split(","):
+            least = min(least, _path_headroom(CGROUP_ROOT / "memory", fields[2], "v1"))
+    return least
+
+
+def _path_headroom(root: Path, path: str, version: str) -> float:
+    """The least headroom of the cgroup at `path` under the hierarchy's `root` and of those above it."""
+    directory, least = root / path.lstrip("/"), math.inf
+    for level in (directory, *directory.parents):
+        least = min(least, _cgroup_headroom(level, *CGROUP_FILES[version]))
+        if level == root:
+            break
+    return least
+
+
+def _cgroup_headroom(directory: Path, limit_file: str, usage_file: str, cache_key: str) -> float:
+    """One memory cgroup's limit - usage + reclaimable page cache; infinity without a limit or its files."""
+    try:
+        limit = (directory / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= NO_LIMIT:
+            return math.inf
+        usage = int((directory / usage_file).read_text())
+        stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines())
+        return max(0, int(limit) - usage + int(stat.get(cache_key, 0)))
+    except (OSError, ValueError):
+        return math.inf
