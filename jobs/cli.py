@@ -178,7 +178,8 @@ def run_job(cfg) -> None:
     except UserError as err:
         fail(str(err), err.exit_code)
     except InterpolationResolutionError as err:  # ${oc.env:NAME} unset, ${a.key} that does not exist
-        fail(f"{err.full_key}: {str(err.msg).splitlines()[0]}", ConfigError.exit_code)
+        where = f"{err.full_key}: " if err.full_key else ""  # none outside the job's config
+        fail(f"{where}{str(err.msg or err).splitlines()[0]}", ConfigError.exit_code)
     except KeyboardInterrupt:  # a job that saves results handles Ctrl-C itself and raises a UserError
         fail(f"interrupted: job={cfg.job.name} stopped before it finished" if started else STARTUP_INTERRUPTED, 130)
 

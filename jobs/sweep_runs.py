@@ -116,12 +116,13 @@ def combine(good: list[tuple[Path, dict, pa.Table]]) -> tuple[list, pa.Table, li
 
 
 def override_keys(run: Path) -> list[str]:
-    """The keys of the run's Hydra overrides, in the order given (empty when there is no record)."""
+    """The keys of the run's Hydra overrides, in the order given (empty when there is no record). The overrides
+    are the command line's text: one that reads like an interpolation (`${...}`) is not resolved."""
     try:
-        overrides = OmegaConf.load(run / ".hydra" / "overrides.yaml")
+        overrides = OmegaConf.to_container(OmegaConf.load(run / ".hydra" / "overrides.yaml"), resolve=False)
     except Exception:
         return []
-    return [str(o).split("=", 1)[0].lstrip("+~") for o in overrides]
+    return [str(o).split("=", 1)[0].lstrip("+~") for o in overrides] if isinstance(overrides, list) else []
 
 
 def swept_keys(configs: list[dict], runs: list[Path]) -> list[str]:

@@ -118,6 +118,22 @@ def test_swept_keys_beyond_block_size_get_columns_and_lines(tmp_path, capsys):
     assert not (tmp_path / "sweep.png").exists()
 
 
+def test_swept_keys_follow_the_overrides_order_whatever_text_they_hold(tmp_path):
+    """The columns follow the order of the runs' overrides (kv_budget_gb first here), read as the command line's
+    text: an override that reads like an interpolation (${...}, left by a run that failed on it) is not
+    resolved, which raised an error naming nothing."""
+    for block_size, budget in ((8, 0.002), (16, 0.001)):
+        directory = tmp_path / f"b{block_size}"
+        (directory / ".hydra").mkdir(parents=True)
+        write_atomic(pa.Table.from_pylist([summary_row(block_size)]), directory / "summary.parquet",
+                     config(block_size, budget))
+        (directory / ".hydra" / "overrides.yaml").write_text(
+            f"- cache.kv_budget_gb={budget}\n- cache.block_size={block_size}\n- job.note=${{job.nope}}\n")
+    sweep, skipped = analyze(tmp_path, tmp_path, plots=False)
+    assert not skipped
+    assert json.loads(sweep.schema.metadata[b"minipaged.swept_keys"]) == ["cache.kv_budget_gb", "cache.block_size"]
+
+
 def test_a_seed_past_int64_is_swept_as_text(tmp_path):
     """Every bit of a 64-bit seed counts (a seed of 2^63 or more is valid); Arrow's int64 cannot hold it, so
     the column keeps the runs' seeds as text, in their order."""
