@@ -18,7 +18,9 @@ import datetime
 import logging
 import multiprocessing
 import os
+import signal
 import socket
+import sys
 import weakref
 
 import torch
@@ -88,12 +90,19 @@ def _moved(value, device: torch.device):
 
 def _worker(rank: int, world: int, address: str, model_cfg, device_type: str, dtype: torch.dtype,
             timeout_s: float) -> None:
-    """A worker's life: join the groups, build its share of the model, then run the commands until stop."""
+    """A worker's life: join the groups, build its share of the model, then run the commands until stop. Ctrl-C
+    ends it at once and in silence (_exit_interrupted): rank 0 reports it and saves what finished. A model it
+    cannot build (a UserError: its share does not fit) ends it with that one line, not a traceback."""
+    signal.signal(signal.SIGINT, _exit_interrupted)
     device = rank_device(torch.device(device_type), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     collectives, commands = _join_group(rank, world, address, device, timeout_s)
-    model, _ = build_model(model_cfg, device, dtype, collectives)
+    try:
+        model, _ = build_model(model_cfg, device, dtype, collectives)
+    except UserError as err:
+        print(f"error: tensor parallel rank {rank}: {err}", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(model_cfg, model.arch.hidden_size))
     kv_cache = None
@@ -113,6 +122,14 @@ def _worker(rank: int, world: int, address: str, model_cfg, device_type: str, dt
             else:
                 break
     dist.destroy_process_group()
+
+
+def _exit_interrupted(signum, frame) -> None:
+    """A worker's SIGINT handler. A terminal's Ctrl-C reaches every process of its group: the worker, spawned
+    from the main module, would otherwise run that module's handler (which says nothing was saved) or raise a
+    KeyboardInterrupt (a traceback), and one that ignored it would leave rank 0 waiting on a collective it
+    will not finish (the group's timeout)."""
+    os._exit(128 + signum)
 
 
 class TensorParallelModel:

@@ -6,6 +6,8 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import pyarrow as pa
@@ -24,6 +26,7 @@ from engine.parallel import WorkerError
 from jobs.generate import generate_job
 from test_moe import moe_checkpoint
 from test_oracle import MAX_TOKENS, reference_outputs
+from test_resume import ENV, ROOT, job_args, wait_for_parts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
@@ -216,3 +219,33 @@ def test_a_job_whose_worker_dies_keeps_its_finished_rows(make_config, tmp_path, 
     assert 1 <= len(saved) < 6
     for row in saved:
         assert row["output_token_ids"] == whole[row["row"]]["output_token_ids"]
+
+
+def test_a_terminals_ctrl_c_stops_a_split_job_once_with_its_rows_saved(tmp_path):
+    """A terminal sends Ctrl-C to the whole process group, workers included: rank 0 saves the finished rows and
+    says so, the workers leave it to rank 0 (they ran the start-up's handler of it: "nothing was saved")."""
+    run_dir, prompts = tmp_path / "run", tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": [f"prompt number {i}" for i in range(120)]}), prompts)
+    proc = subprocess.Popen([*job_args(prompts, run_dir, 60), "model.tensor_parallel_size=2"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for_parts(run_dir, 1, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [
+        f"error: interrupted by SIGINT: finished rows are saved in {run_dir / 'generations.parts'}; run again with "
+        f"hydra.run.dir={run_dir} to resume"], err
+    assert "Traceback" not in out + err
+
+
+def test_a_split_model_that_does_not_fit_is_one_line_a_rank(tmp_path):
+    """Each rank checks its share before it builds: a refusal is its one line (the worker's names its rank), not a
+    worker's traceback."""
+    result = subprocess.run([sys.executable, "-m", "engine.run", "model=llama-3.3-70b", "model.device=cpu",
+                             "model.dtype=float32", "model.tensor_parallel_size=2", f"hydra.run.dir={tmp_path}"],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert len(errors) == 2, errors
+    assert errors[0].startswith("error: tensor parallel rank 1: model=llama-3.3-70b in float32"), errors
+    assert errors[1].startswith("error: model=llama-3.3-70b in float32") and "model.tensor_parallel_size=1" in errors[1]

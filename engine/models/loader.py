@@ -383,7 +383,8 @@ def check_weights_fit(model_cfg, model: DecoderForCausalLM, dtype: torch.dtype, 
     what = f"the {ranks} ranks' shares of its weights" if ranks > 1 else "its weights"
     held = "a part in float32, and the whole embedding and head" if group else "a part in float32"
     fixes = ["a smaller model", *(["model.dtype=bfloat16 (half the bytes)"] if dtype.itemsize == 4 else []),
-             *(["more GPUs (model.tensor_parallel_size)"] if device.type == "cuda" else [])]
+             *(["more GPUs (model.tensor_parallel_size)"] if device.type == "cuda" else []),
+             *(["model.tensor_parallel_size=1 (the ranks share this host's memory)"] if ranks > 1 else [])]
     raise ConfigError(f"{model_key} in {dtype_name} (model.dtype={model_cfg.dtype}): building {what} needs "
                       f"{need / 1e9:.2f} GB ({ranks * finished / 1e9:.2f} GB, and {ranks * building / 1e9:.2f} GB "
                       f"more while they are built: {held}), but only {available / 1e9:.2f} GB is {where}; "
