@@ -5,6 +5,8 @@ import dataclasses
 import fcntl
 import logging
 import os
+import re
+import shlex
 import signal
 import sys
 import threading
@@ -37,6 +39,18 @@ def run_dir_problem(directory: Path) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return "is not writable" if existing == directory else f"cannot be created in {existing} (not writable)"
     return None
+
+
+def run_dir_override(directory: Path) -> str:
+    """hydra.run.dir=<directory> as a shell passes it on and Hydra's override grammar reads it back: quoted where
+    the path holds what either would take apart (a sweep's run directory is named after its overrides: = and ,)."""
+    text = str(directory)
+    if re.fullmatch(r"[\w./-]+", text):
+        return f"hydra.run.dir={text}"
+    # Hydra's escapes inside a quoted value: a quote gets a backslash, and backslashes before a quote (or the
+    # closing one) double; others stand as they are
+    quoted = re.sub(r"(\\*)('|$)", lambda m: 2 * m[1] + ("\\'" if m[2] else ""), text)
+    return shlex.quote(f"hydra.run.dir='{quoted}'")
 
 
 class RunDirCheck(Callback):

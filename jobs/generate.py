@@ -40,7 +40,8 @@ from engine.outputs import CompletionOutput
 from engine.sequence import SamplingParams
 from engine.tokenizer import load_tokenizer
 from jobs import JobError, first_line
-from jobs.common import new_counts, run_dir, run_lock, signal_handlers, summary_row, tally, write_stats
+from jobs.common import (new_counts, run_dir, run_dir_override, run_lock, signal_handlers, summary_row, tally,
+                         write_stats)
 from jobs.executors import execute
 from jobs.inputs import (CHAT_URL, Columns, InputFiles, body_message, check_ids, input_rows, openai_sampling,
                          plan_columns)
@@ -252,13 +253,13 @@ def generate_job(cfg, directory: Path) -> None:
             signal.signal(sig, signal.SIG_IGN)
         _save(writer)
         name, code = ("SIGTERM", 143) if isinstance(err, _Terminated) else ("SIGINT", 130)
-        where = f"finished rows are saved in {writer.parts_dir}; run again with hydra.run.dir=" \
-                f"{directory} to resume" if writer else "nothing was saved"
+        where = f"finished rows are saved in {writer.parts_dir}; run again with {run_dir_override(directory)} " \
+                f"to resume" if writer else "nothing was saved"
         raise Interrupted(f"interrupted by {name}: {where}", code) from None
     except OutputError as err:
         _save(writer)
         kept = f"the {(writer.saved >= 0).sum()} rows saved before are kept in {writer.parts_dir}; " if writer else ""
-        raise JobError(f"{err}; {kept}fix it and run again with hydra.run.dir={directory} to resume") from None
+        raise JobError(f"{err}; {kept}fix it and run again with {run_dir_override(directory)} to resume") from None
     except OUT_OF_MEMORY as err:
         _save(writer)
         raise JobError(f"out of device memory ({first_line(err)}); finished rows are saved: lower "

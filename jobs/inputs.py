@@ -6,10 +6,12 @@ and pyarrow do) or a glob (`data/part-*.parquet`). The files are read in sorted 
 in record batches, and the rows are numbered across them (row numbers are what the saved results refer
 to). All files of one input share one format (JSONL, compressed or not, or Parquet). Their schemas are
 unified: a column absent from a file is null there, integers widen to floats; a column whose types clash
-stops the job, naming the file, unless it holds a per-row sampling value: a JSONL first pass that meets one
-of two JSON types (a number in some rows, a string in others) starts again reading that value as its JSON
-text in every row, so that each row's value reaches SamplingParams as written and a row whose value is of
-the wrong type is an error row (_MixedValues). A file that is neither says what it is (empty, compressed, text, ...).
+stops the job, naming the file, unless it holds a per-row value (row_value: a sampling column, a field of an
+OpenAI body): a JSONL first pass that meets one of two JSON types (a number in some rows, a string in others;
+a number in a list of strings; two rows' tools of other shapes) starts again reading that value as its JSON
+text in every row, so that each row's value reaches SamplingParams (or openai_sampling) as written and a row
+whose value is of the wrong type is an error row (_MixedValues). A file that is neither says what it is
+(empty, compressed, text, ...).
 
 JSONL is read in chunks of whole lines (CHUNK_BYTES, or one line when it is longer: each chunk is parsed
 as one block, so a line of any length reads). A first pass parses every chunk to infer one schema for the
@@ -354,16 +356,16 @@ def _parse_jsonl(chunk: bytes, options: pj.ParseOptions | None, path: Path, line
         return _read_chunk(chunk, options)
     except pa.ArrowInvalid as err:
         twice = re.search(r"Column\(/(.*)\) was specified twice", str(err))
-        if twice:
-            raise JobError(f"job.input: {where} has a duplicate column name: key {twice[1]!r} "
-                           f"twice in one row") from None
         changed = re.search(r"Column\(/(.*)\) changed from (\w+) to (\w+)", str(err))
+        repeated = twice[1] if twice else _repeated_key(chunk) if changed else None
+        if repeated:
+            raise JobError(f"job.input: {where} has a duplicate column name: key {repeated!r} "
+                           f"twice in one row") from None
         if changed:
-            message = (f"job.input: {where}: column {changed[1]!r} holds {changed[2]} in some rows and {changed[3]} "
-                       f"in others")
-            path = tuple(changed[1].split("/"))
-            if options is None and is_sampling_value(path):
-                raise _MixedValues(path, message) from None
+            message = f"job.input: {where}: column {changed[1]!r} holds both {changed[2]} and {changed[3]} values"
+            value = row_value(tuple(changed[1].split("/")))
+            if options is None and value is not None:
+                raise _MixedValues(value, message) from None
             raise JobError(message) from None
         bad = _first_bad_line(chunk)
         if bad is not None:
@@ -418,16 +420,19 @@ def _with_field(structs: pa.ChunkedArray, name: str, values: pa.ChunkedArray) ->
     return pa.chunked_array([pa.StructArray.from_arrays(children, fields=fields, mask=whole.is_null())])
 
 
-def is_sampling_value(path: tuple[str, ...]) -> bool:
-    """Whether a JSON path of an input line holds a per-row sampling value: a top-level SamplingParams field, or
-    a field of an OpenAI body other than those that are not sampling values."""
-    return path[0] in ROW_SAMPLING if len(path) == 1 else len(path) == 2 and path[0] == "body" and \
-        path[1] not in OPENAI_IGNORED
+def row_value(path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The per-row value that a JSON path of an input line is in (a list's elements are "[]", a struct's fields
+    their names): a top-level SamplingParams field, or a field of an OpenAI body other than its messages (its
+    sampling values, and those openai_sampling ignores or refuses, whose insides rows need not agree on:
+    each row's tools); None for any other path."""
+    if path[0] in ROW_SAMPLING:
+        return path[:1]
+    return path[:2] if len(path) >= 2 and path[0] == "body" and path[1] != "messages" else None
 
 
 def clashing_value(first: pa.Schema, second: pa.Schema) -> tuple[str, ...] | None:
-    """The path of a per-row sampling value (is_sampling_value) whose types in two chunks' schemas do not unify
-    (an int in one chunk, a string in another), if any."""
+    """The path of a per-row value (row_value) whose types in two chunks' schemas do not unify (an int in one
+    chunk, a string in another), if any."""
     for name in (n for n in first.names if n in second.names):
         a, b = first.field(name).type, second.field(name).type
         pairs = [((name,), a, b)]
@@ -435,7 +440,7 @@ def clashing_value(first: pa.Schema, second: pa.Schema) -> tuple[str, ...] | Non
             pairs = [(("body", a.field(i).name), a.field(i).type, b.field(b.get_field_index(a.field(i).name)).type)
                      for i in range(a.num_fields) if b.get_field_index(a.field(i).name) >= 0]
         for path, x, y in pairs:
-            if is_sampling_value(path) and not _unify(x, y):
+            if row_value(path) is not None and not _unify(x, y):
                 return path
     return None
 
@@ -450,12 +455,12 @@ def _unify(a: pa.DataType, b: pa.DataType) -> bool:
 
 def json_text_values(chunk: bytes, paths: set[tuple[str, ...]]) -> bytes:
     """The chunk's lines with the value at each of `paths` (("max_tokens",), ("body", "seed")), where a line has
-    one, as its JSON text (input_rows reads it back). A chunk with a line that json cannot read is left as it
-    is, for pyarrow to report."""
+    one, as its JSON text (input_rows reads it back). A chunk with a line that json cannot read, or that repeats
+    a key, is left as it is, for pyarrow to report."""
     lines = []
     for line in chunk.splitlines(keepends=True):
         try:
-            row = json.loads(line) if line.strip() else None
+            row = json.loads(line, object_pairs_hook=_unique_keys) if line.strip() else None
         except ValueError:
             return chunk
         for *outer, key in paths:
@@ -511,11 +516,11 @@ def uniform_values(chunk: bytes) -> bytes:
     value and body.response_format as JSON text (pyarrow would read them as structs of every row's keys at
     once, null where a row's schema has none, and a schema of one row can hold a key of another type than
     another row's), and a stop string (stop, body.stop) as a list of it, since rows may give either. A chunk
-    with a line that json cannot read is left as it is, for pyarrow to report."""
+    with a line that json cannot read, or that repeats a key, is left as it is, for pyarrow to report."""
     lines = []
     for line in chunk.splitlines(keepends=True):
         try:
-            row = json.loads(line) if line.strip() else None
+            row = json.loads(line, object_pairs_hook=_unique_keys) if line.strip() else None
         except ValueError:
             return chunk
         if not isinstance(row, dict):
@@ -531,11 +536,34 @@ def uniform_values(chunk: bytes) -> bytes:
     return b"".join(lines)
 
 
+class _RepeatedKey(ValueError):
+    """A JSON object of an input line holds a key twice (json keeps the last value; pyarrow refuses it)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"key {key!r} twice in one object")
+        self.key = key
+
+
 def _unique_keys(pairs: list[tuple]) -> dict:
     keys = [k for k, _ in pairs]
-    if len(set(keys)) < len(keys):
-        raise ValueError("a key twice in one object")
+    repeated = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if repeated is not None:
+        raise _RepeatedKey(repeated)
     return dict(pairs)
+
+
+def _repeated_key(chunk: bytes) -> str | None:
+    """The first key that a line of the chunk repeats inside one of its objects, if any. Run only once a
+    chunk has failed: a type clash in a rewritten chunk may hide a repeated key, which the rewrite could not
+    take (uniform_values, json_text_values)."""
+    for text in chunk.split(b"\n"):
+        try:
+            json.loads(text, object_pairs_hook=_unique_keys) if text.strip() else None
+        except _RepeatedKey as err:
+            return err.key
+        except ValueError:
+            continue
+    return None
 
 
 def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:

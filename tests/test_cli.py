@@ -4,6 +4,7 @@ import gc
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
@@ -21,6 +23,7 @@ from engine.engine import LLMEngine
 from engine.errors import ConfigError
 from engine.generation_config import resolve_sampling
 from jobs import cli as run
+from jobs.common import run_dir_override
 from jobs.config import AnalyzeJob, key_help, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -347,3 +350,15 @@ def test_the_engine_sets_its_cpu_threads(make_config, overrides, threads):
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["plain-run_1.x", "job.flush_every=8,job.input=a.jsonl", "it's here", "a b", "$HOME",
+                                  "back\\slash", 'say "hi"', "trail\\", "x\\'y"])
+def test_the_resume_hint_is_an_override_the_shell_and_hydra_read_back(tmp_path, name):
+    """The hydra.run.dir=... that a stopped job prints to resume with: a shell's words, then Hydra's override
+    grammar (the oracle: both parsers), give back the directory, a sweep's (named after its overrides) too."""
+    directory = tmp_path / name
+    words = shlex.split(run_dir_override(directory))
+    assert len(words) == 1
+    override = OverridesParser.create().parse_overrides(words)[0]
+    assert (override.key_or_group, override.value()) == ("hydra.run.dir", str(directory))

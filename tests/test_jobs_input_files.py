@@ -2,6 +2,7 @@
 integer sampling fields in every kind of input, empty JSONL files, JSONL lines longer than pyarrow's block,
 OpenAI message contents given as lists of parts, compressed JSONL and files that are neither format."""
 import decimal
+import json
 import gzip
 
 import pyarrow as pa
@@ -63,6 +64,49 @@ def test_a_sampling_value_of_another_json_type_is_an_error_row_not_the_whole_inp
         got = [(None if r.error else getattr(r.sampling_params, field), r.error)
                for r, (field, _) in zip(requests(spec), values)]
         assert got == expected, spec
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])
+def test_rows_need_not_agree_on_the_insides_of_a_value(tmp_path, monkeypatch, chunk_bytes):
+    """A value's insides may differ in JSON type between rows (each row's tools declare their own schema, a
+    prediction is text or parts, a stop list holds a number): each row is read as written. An ignored field
+    (prediction, metadata) changes nothing, a refused one (tools) is its row's error, a stop list with a number
+    is its row's error; in an OpenAI batch and a plain JSONL file alike."""
+    monkeypatch.setattr(jobs.inputs, "CHUNK_BYTES", chunk_bytes)
+    messages = [{"role": "user", "content": "hi"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"city": {"type": "string"}}}}}
+    other = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"city": {"type": ["x"]}}}}}
+    batch = write_jsonl(tmp_path / "batch.jsonl", [
+        batch_line("a", messages, tools=[tool]), batch_line("b", messages, tools=[other]),
+        batch_line("c", messages, prediction={"content": "text"}, metadata={"k": "v"}, max_tokens=3),
+        batch_line("d", messages, prediction={"content": [{"type": "text", "text": "t"}]}, metadata={"k": 5}),
+        batch_line("e", messages, stop=["END", 5])])
+    assert [r.error for r in requests(batch)] == [
+        "body field 'tools' is not supported (it would change what is generated)"] * 2 + [None, None, SAMPLING_STOP]
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "a", "stop": ["END", 5]}, {"prompt": "b", "stop": ["x"]},
+                                                   {"prompt": "c", "stop_token_ids": [1, "2"]}])
+    assert [(r.error, r.sampling_params and r.sampling_params.stop) for r in requests(plain)] == [
+        (SAMPLING_STOP, None), (None, ("x",)), (stop_ids_error(), None)]
+
+
+SAMPLING_STOP = "stop must be a string or a list of strings, got ['END', 5]"
+
+
+def stop_ids_error() -> str:
+    try:
+        SamplingParams(stop_token_ids=[1, "2"])
+    except ValueError as err:  # the oracle: SamplingParams given the value alone
+        return str(err)
+
+
+def test_a_key_twice_in_a_line_is_refused_whatever_its_neighbours(tmp_path):
+    """A line that repeats a key is refused naming it, also in a chunk that is rewritten (a stop string made a
+    list, a value of mixed types read as JSON text), which must not keep the last value silently."""
+    for neighbour in ({"prompt": "a"}, {"prompt": "a", "stop": "x"}, {"prompt": "a", "max_tokens": "5"}):
+        path = tmp_path / "dup.jsonl"
+        path.write_text(json.dumps(neighbour) + '\n{"prompt": "b", "max_tokens": 3, "prompt": "c"}\n')
+        with pytest.raises(JobError, match=r"key 'prompt' twice in one row"):
+            requests(path)
 
 
 # -- 1. integer fields given non-integral numbers -----------------------------------------------------
