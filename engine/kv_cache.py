@@ -82,9 +82,10 @@ log = logging.getLogger("minipaged")
 HOST_KV_SHARE = 0.5  # of the host memory available after the weights: the rest for activations and everyone else
 MEMINFO = Path("/proc/meminfo")
 PROC_CGROUP, CGROUP_ROOT = Path("/proc/self/cgroup"), Path("/sys/fs/cgroup")
-# a memory cgroup's files (limit, usage, the stat key of reclaimable page cache): v2's, then v1's
-CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
-                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+# a memory cgroup's files (limit, usage, the stat keys of its page cache, which the kernel reclaims before it
+# kills anything in the cgroup: a checkpoint read twice is active file cache): v2's, then v1's
+CGROUP_FILES = {"v2": ("memory.max", "memory.current", ("inactive_file", "active_file")),
+                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_active_file"))}
 NO_LIMIT = 1 << 62  # v1 writes "no limit" as the largest page multiple below 2^63
 
 
@@ -167,7 +168,7 @@ def host_memory_available() -> int:
 
 def cgroup_memory_headroom() -> float:
     """What the memory cgroups of this process (a container's, a job scheduler's) still let it take before the
-    kernel kills it: the least limit - usage + reclaimable page cache over its cgroup and the ones above it,
+    kernel kills it: the least limit - usage + page cache over its cgroup and the ones above it,
     cgroup v2 or v1; infinity where none sets a limit (or they cannot be read). The host's MemAvailable does
     not see such a limit: a model or pool that fits the host is killed inside a smaller container."""
     try:
@@ -193,14 +194,14 @@ def _path_headroom(root: Path, path: str, version: str) -> float:
     return least
 
 
-def _cgroup_headroom(directory: Path, limit_file: str, usage_file: str, cache_key: str) -> float:
-    """One memory cgroup's limit - usage + reclaimable page cache; infinity without a limit or its files."""
+def _cgroup_headroom(directory: Path, limit_file: str, usage_file: str, cache_keys: tuple[str, ...]) -> float:
+    """One memory cgroup's limit - usage + page cache; infinity without a limit or its files."""
     try:
         limit = (directory / limit_file).read_text().strip()
         if limit == "max" or int(limit) >= NO_LIMIT:
             return math.inf
         usage = int((directory / usage_file).read_text())
         stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines())
-        return max(0, int(limit) - usage + int(stat.get(cache_key, 0)))
+        return max(0, int(limit) - usage + sum(int(stat.get(key, 0)) for key in cache_keys))
     except (OSError, ValueError):
         return math.inf

@@ -96,30 +96,32 @@ def test_host_memory_available_reads_meminfo_or_sysconf(tmp_path, monkeypatch):
     assert host_memory_available() == 4096 * 1000
 
 
-def cgroup(directory, limit, usage, cache_key, cache, files):
+def cgroup(directory, limit, usage, cache_keys, cache, files):
+    """A memory cgroup's files, its page cache split between its keys (inactive, then active: 2 to 1)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / files[0]).write_text(f"{limit}\n")
     (directory / files[1]).write_text(f"{usage}\n")
-    (directory / "memory.stat").write_text(f"anon 5\n{cache_key} {cache}\nfile 9\n")
+    inactive, active = cache_keys
+    (directory / "memory.stat").write_text(f"anon 5\n{inactive} {cache - cache // 3}\n{active} {cache // 3}\nfile 9\n")
 
 
 @pytest.mark.parametrize("version", ["v2", "v1"])
 def test_host_memory_available_is_what_the_memory_cgroups_leave(tmp_path, monkeypatch, version):
-    """A container's limit, which MemAvailable does not see: the least limit - usage + reclaimable cache over the
+    """A container's limit, which MemAvailable does not see: the least limit - usage + page cache over the
     process's cgroup and those above it (hand-computed), none where no level sets a limit."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemAvailable:   1000000 kB\n")  # 1.024 GB
     monkeypatch.setattr(kv_cache, "MEMINFO", meminfo)
     monkeypatch.setattr(kv_cache, "CGROUP_ROOT", tmp_path / "cg")
     monkeypatch.setattr(kv_cache, "PROC_CGROUP", tmp_path / "cgroup")
-    limit_file, usage_file, cache_key = kv_cache.CGROUP_FILES[version]
+    limit_file, usage_file, cache_keys = kv_cache.CGROUP_FILES[version]
     root = tmp_path / "cg" if version == "v2" else tmp_path / "cg" / "memory"
     (tmp_path / "cgroup").write_text("0::/job/step\n" if version == "v2" else "5:cpu:/\n4:memory:/job/step\n")
-    cgroup(root / "job" / "step", "max" if version == "v2" else 2**63 - 4096, 10**8, cache_key, 0,
+    cgroup(root / "job" / "step", "max" if version == "v2" else 2**63 - 4096, 10**8, cache_keys, 0,
            (limit_file, usage_file))
-    cgroup(root / "job", 8 * 10**8, 7 * 10**8, cache_key, 3 * 10**7, (limit_file, usage_file))
+    cgroup(root / "job", 8 * 10**8, 7 * 10**8, cache_keys, 3 * 10**7, (limit_file, usage_file))
     assert host_memory_available() == 8 * 10**8 - 7 * 10**8 + 3 * 10**7  # the level above, not the host
-    cgroup(root / "job", 9 * 10**9, 10**9, cache_key, 0, (limit_file, usage_file))
+    cgroup(root / "job", 9 * 10**9, 10**9, cache_keys, 0, (limit_file, usage_file))
     assert host_memory_available() == 1000000 * 1024  # the host's, below the container's 8 GB
     (tmp_path / "cgroup").write_text("garbled\n")
     assert host_memory_available() == 1000000 * 1024
