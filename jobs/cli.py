@@ -69,10 +69,14 @@ def opening_comment(text: str) -> str:
 
 
 def _values(override: Override) -> list:
-    """The value(s) an override sets: one, or each of a sweep's (none for a sweep we cannot list)."""
+    """The value(s) an override sets: one, or each of a sweep's (none for a sweep we cannot list), as Hydra
+    gives a run of the sweep each: its text parsed again as one override's value (a sweep of lists is lists)."""
     if not override.is_sweep_override():
         return [override.value()]
-    return list(override.sweep_iterator(Transformer.encode)) if override.is_discrete_sweep() else []
+    if not override.is_discrete_sweep():
+        return []
+    parser = OverridesParser.create()
+    return [parser.parse_override(f"v={text}").value() for text in override.sweep_iterator(Transformer.encode)]
 
 
 def _kind(annotation) -> str:

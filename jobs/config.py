@@ -53,7 +53,7 @@ class BenchJob:
     seed: int = 0
     json_schemas: int = 0  # 1-4: request i is constrained to JSON schema i % this (jobs/bench.py's JSON_SCHEMAS); 0: none
     baseline: str = "none"  # none | hf
-    hf_batch_size: int = 64
+    hf_batch_size: int = 64  # job.baseline=hf: sequences a static batch of transformers' generate (n per request)
 
 
 @dataclass

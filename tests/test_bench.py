@@ -14,12 +14,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from engine import LLM
 from engine.errors import ConfigError
 from engine.models.loader import build_model
 from engine.sequence import SamplingParams
 from engine.stats import floor_model, workload_floor_s
 from jobs import JobError
-from jobs.bench import JSON_SCHEMAS, run, workload
+from jobs.bench import JSON_SCHEMAS, hf_generate, run, workload
 from jobs.config import BenchJob, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,11 +167,31 @@ def test_keys_of_the_random_workload_set_for_a_fixed_one_are_warned_of(make_conf
 
     with caplog.at_level(logging.WARNING, logger="minipaged"):
         for overrides in (["job.workload=nano"], ["job.num_prompts=4"]):  # defaults, or the random workload's own
-            warn_unused_keys(make_config("job=bench", *overrides).job)
+            cfg = make_config("job=bench", *overrides)
+            warn_unused_keys(cfg.job, cfg.sampling)
         assert caplog.messages == []
-        warn_unused_keys(make_config("job=bench", "job.workload=nano", "job.num_prompts=4", "job.output_len=[2,4]").job)
+        cfg = make_config("job=bench", "job.workload=nano", "job.num_prompts=4", "job.output_len=[2,4]")
+        warn_unused_keys(cfg.job, cfg.sampling)
     assert caplog.messages == ["job.workload=nano has prompts and lengths of its own: job.num_prompts=4, "
                                "job.output_len=[2, 4] apply to job.workload=random only"]
+
+
+@pytest.mark.parametrize("workload_name", ["random", "nano", "long", "rollout"])
+def test_the_sampling_keys_a_workload_draws_itself_are_warned_of(make_config, caplog, workload_name):
+    """The keys warned of are those whose configured value no request of the workload keeps (the oracle: the
+    workload's own requests)."""
+    from jobs.bench import warn_unused_keys
+
+    configured = {"max_tokens": 3, "ignore_eos": False, "temperature": 0.25, "n": 2}
+    cfg = make_config("job=bench", f"job.workload={workload_name}",
+                      *(f"sampling.{k}={v}" for k, v in configured.items()))
+    requests = workload(cfg.job, SamplingParams(**configured), 257)
+    drawn = [k for k, v in configured.items() if all(getattr(s, k) != v for _, s in requests)]
+    with caplog.at_level(logging.WARNING, logger="minipaged"):
+        warn_unused_keys(cfg.job, cfg.sampling)
+    warned = ", ".join(f"sampling.{k}={configured[k]}" for k in drawn)
+    assert caplog.messages[0] == (f"job.workload={workload_name} draws these settings of each request itself, so the "
+                                  f"config's are not used: {warned}")
 
 
 def test_the_baseline_takes_the_settings_transformers_shares_and_matches_only_what_it_can_draw():
@@ -184,3 +205,24 @@ def test_the_baseline_takes_the_settings_transformers_shares_and_matches_only_wh
                                                                 min_p=None, repetition_penalty=None)  # both off
     assert comparable(SamplingParams(repetition_penalty=1.3))
     assert not comparable(SamplingParams(presence_penalty=0.5)) and not comparable(SamplingParams(temperature=1.0))
+
+
+def test_the_transformers_baseline_runs_each_requests_n_samples(monkeypatch):
+    """The baseline's workload is the run's: a request of n samples is n sequences of its prompt (in batches of
+    job.hf_batch_size sequences), its tokens counted n times; the outputs compared are each request's first."""
+    llm = LLM(model="tiny", max_model_len=64, device="cpu")
+    requests = [((5, 6, 7), SamplingParams(temperature=1.0, max_tokens=4, n=3, seed=1)),
+                ((8, 9), SamplingParams(temperature=1.0, max_tokens=6, n=1, seed=2)),
+                ((10,), SamplingParams(temperature=1.0, max_tokens=2, n=2, seed=3))]
+    hf_model, rows = llm.hf_model(), []
+    generate = hf_model.generate
+
+    def recorded(**kwargs):
+        out = generate(**kwargs)
+        rows.extend(kwargs["input_ids"][:, -1].tolist())  # each sequence's last prompt token
+        return out
+    monkeypatch.setattr(hf_model, "generate", recorded)
+    monkeypatch.setattr(llm, "hf_model", lambda: hf_model)
+    _, outputs = hf_generate(llm, requests, batch_size=4)
+    assert rows == [7, 7, 7, 9, 10, 10]
+    assert [len(o) for o in outputs] == [4, 6, 2]

@@ -88,6 +88,7 @@ def test_every_key_has_a_description(schema):
     (["cache.kv_budget_gb=lots"], "cache.kv_budget_gb must be a number or null, got 'lots'"),
     (["sampling.ignore_eos=maybe"], "sampling.ignore_eos must be true or false or null, got 'maybe'"),
     (["--multirun", "cache.block_size=8,abc"], "cache.block_size must be a whole number, got 'abc'"),
+    (["-m", "job=bench", "job.output_len=[4,8],abc"], "job.output_len must be a list such as [1, 2], got 'abc'"),
     (["model=qwen3"], "model: no option 'qwen3'; options: " + ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))),
     (["job=generate_schema"], "job: no option 'generate_schema'; options: analyze, bench, generate"),
     (["job.input=a.parquet", "sampling.stop=[a,"], "cannot parse the override 'sampling.stop=[a,': no viable "
@@ -104,6 +105,9 @@ def test_valid_overrides_pass():
                          "cache.num_blocks=null", "model=qwen3-0.6b", "model.path=Qwen/Qwen3-0.6B",
                          "sampling.stop_token_ids=[1,2]", "++cache.block_size=32", "~cache.kv_budget_gb",
                          "cache.num_blocks=${scheduler.max_num_seqs}", "hydra.run.dir=x", "hydra/launcher=basic"])
+    # sweeps of lists, which Hydra runs (the check once read each of their values as its text: '[4,8]')
+    run.check_overrides(["-m", "job=bench", "job.output_len=[4,8],[8,16]", "job.input_len=choice([1,8],[2,9])",
+                         "sampling.stop_token_ids=[1],[2]", "sampling.stop=['a b'],[c]"])
 
 
 @pytest.mark.parametrize("override", ["sampling.temperature=inf", "sampling.temperature=nan", "sampling.top_p=nan",
