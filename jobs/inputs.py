@@ -176,10 +176,10 @@ class _PartLists(Exception):
 
 
 class _MixedValues(Exception):
-    """The first pass over JSONL met a per-row sampling value given as two JSON types (a number in some rows,
-    a string in others): start again, reading that value as its JSON text in every row (json_text_values), so
-    that each row's value reaches SamplingParams as written and a row whose value is of the wrong type is an
-    error row, not the whole input."""
+    """The first pass over JSONL met a per-row value (row_value) given as two JSON types (a number in some
+    rows, a string in others): start again, reading that value as its JSON text in every row (json_text_values),
+    so that each row's value is read as written and a row whose value is of the wrong type is an error row,
+    not the whole input."""
 
     def __init__(self, path: tuple[str, ...], message: str):
         super().__init__(message)
@@ -198,8 +198,8 @@ class InputFiles:
         if mixed:
             raise JobError(f"job.input: {spec} mixes JSONL and Parquet files ({self.paths[0]}, {mixed[0]})")
         self.conversation_column, self.content_as_parts = conversation_column, False
-        self.json_text: set[tuple[str, ...]] = set()  # sampling values read as JSON text (_MixedValues)
-        while True:  # each restart reads one more thing differently: at most 1 + the sampling fields
+        self.json_text: set[tuple[str, ...]] = set()  # per-row values read as JSON text (_MixedValues)
+        while True:  # each restart reads one more thing differently: at most 1 + the per-row values
             try:
                 self._scan()
                 break
@@ -208,8 +208,8 @@ class InputFiles:
             except _MixedValues as mixed:
                 if mixed.path in self.json_text:
                     raise JobError(str(mixed)) from None
-                log.warning("%s: each row's value is read as written, and a row whose value %s cannot take is an "
-                            "error row", mixed, mixed.path[-1])
+                log.warning("%s: each row's value is read as written (a row whose value is of the wrong type is an "
+                            "error row)", mixed)
                 self.json_text.add(mixed.path)
 
     def _scan(self) -> None:
