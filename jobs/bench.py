@@ -199,8 +199,8 @@ def hf_generate(llm: LLM, requests, batch_size: int) -> tuple[float, list[list[i
         tokens += sum(s.max_tokens for _, s in batch)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    firsts = itertools.accumulate((params.n for _, params in requests[:-1]), initial=0)
-    return tokens / (time.perf_counter() - start), [outputs[i] for i in firsts]
+    firsts = itertools.accumulate((params.n for _, params in requests), initial=0)  # each request's first sequence
+    return tokens / (time.perf_counter() - start), [outputs[i] for i, _ in zip(firsts, requests)]
 
 
 def hf_sampling(params: SamplingParams) -> dict:
