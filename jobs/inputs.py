@@ -455,21 +455,32 @@ def _unify(a: pa.DataType, b: pa.DataType) -> bool:
 
 def json_text_values(chunk: bytes, paths: set[tuple[str, ...]]) -> bytes:
     """The chunk's lines with the value at each of `paths` (("max_tokens",), ("body", "seed")), where a line has
-    one, as its JSON text (input_rows reads it back). A chunk with a line that json cannot read, or that repeats
-    a key, is left as it is, for pyarrow to report."""
-    lines = []
-    for line in chunk.splitlines(keepends=True):
-        try:
-            row = json.loads(line, object_pairs_hook=_unique_keys) if line.strip() else None
-        except ValueError:
-            return chunk
+    one, as its JSON text (input_rows reads it back); rewritten_lines' rules."""
+    def as_text(row: dict) -> None:
         for *outer, key in paths:
             holder = row
             for name in outer:
                 holder = holder.get(name) if isinstance(holder, dict) else None
             if isinstance(holder, dict) and holder.get(key) is not None:
                 holder[key] = json.dumps(holder[key])
-        lines.append(json.dumps(row).encode() + b"\n" if isinstance(row, dict) else line)
+    return rewritten_lines(chunk, as_text)
+
+
+def rewritten_lines(chunk: bytes, rewrite) -> bytes:
+    """The chunk with rewrite(row) applied to each line's JSON object in place, and the line written again;
+    blank lines and lines of other JSON values as they are. A chunk with a line that json cannot read, or that
+    repeats a key, is left as it is, for pyarrow to report."""
+    lines = []
+    for line in chunk.splitlines(keepends=True):
+        try:
+            row = json.loads(line, object_pairs_hook=_unique_keys) if line.strip() else None
+        except ValueError:
+            return chunk
+        if not isinstance(row, dict):
+            lines.append(line)
+            continue
+        rewrite(row)
+        lines.append(json.dumps(row).encode() + b"\n")
     return b"".join(lines)
 
 
@@ -490,50 +501,30 @@ def _first_bad_line(chunk: bytes) -> tuple[int, str] | None:
 
 def contents_as_parts(chunk: bytes, conversation_column: str | None) -> bytes:
     """The chunk's lines with every string content of body.messages and of the conversation column read
-    as one text part ({"type": "text", "text": ...}). A chunk with a line that json cannot read, or that
-    repeats a key, is left as it is, for pyarrow to report."""
-    lines = []
-    for line in chunk.splitlines(keepends=True):
-        if not line.strip():
-            lines.append(line)
-            continue
-        try:
-            row = json.loads(line, object_pairs_hook=_unique_keys)
-        except ValueError:
-            return chunk
-        body = row.get("body") if isinstance(row, dict) else None
-        for messages in (body.get("messages") if isinstance(body, dict) else None,
-                         row.get(conversation_column) if isinstance(row, dict) else None):
+    as one text part ({"type": "text", "text": ...}); rewritten_lines' rules."""
+    def as_parts(row: dict) -> None:
+        body = row.get("body")
+        for messages in (body.get("messages") if isinstance(body, dict) else None, row.get(conversation_column)):
             for message in messages if isinstance(messages, list) else ():
                 if isinstance(message, dict) and isinstance(message.get("content"), str):
                     message["content"] = [{"type": "text", "text": message["content"]}]
-        lines.append(json.dumps(row).encode() + b"\n")
-    return b"".join(lines)
+    return rewritten_lines(chunk, as_parts)
 
 
 def uniform_values(chunk: bytes) -> bytes:
     """The chunk's lines with the values that may take several JSON types made one: a structured_outputs
     value and body.response_format as JSON text (pyarrow would read them as structs of every row's keys at
     once, null where a row's schema has none, and a schema of one row can hold a key of another type than
-    another row's), and a stop string (stop, body.stop) as a list of it, since rows may give either. A chunk
-    with a line that json cannot read, or that repeats a key, is left as it is, for pyarrow to report."""
-    lines = []
-    for line in chunk.splitlines(keepends=True):
-        try:
-            row = json.loads(line, object_pairs_hook=_unique_keys) if line.strip() else None
-        except ValueError:
-            return chunk
-        if not isinstance(row, dict):
-            lines.append(line)
-            continue
+    another row's), and a stop string (stop, body.stop) as a list of it, since rows may give either;
+    rewritten_lines' rules."""
+    def made_uniform(row: dict) -> None:
         for holder, key in ((row, "structured_outputs"), (row.get("body"), "response_format")):
             if isinstance(holder, dict) and isinstance(holder.get(key), (dict, list)):
                 holder[key] = json.dumps(holder[key])
         for holder in (row, row.get("body")):
             if isinstance(holder, dict) and isinstance(holder.get("stop"), str):
                 holder["stop"] = [holder["stop"]]
-        lines.append(json.dumps(row).encode() + b"\n")
-    return b"".join(lines)
+    return rewritten_lines(chunk, made_uniform)
 
 
 class _RepeatedKey(ValueError):
