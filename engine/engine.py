@@ -66,18 +66,20 @@ def drawn_tokens(step: InFlight, tokens: list, rows: list[int] | None = None
             for j in range(step.steps[row]))
 
 
+def runs_on_cuda(model_cfg) -> bool:
+    """Whether the model runs on CUDA: model.device cuda, or auto with a CUDA device present."""
+    return model_cfg.device == "cuda" or (model_cfg.device == "auto" and torch.cuda.is_available())
+
+
 def dtype_name(model_cfg) -> str:
-    """model.dtype in effect: auto is bfloat16 where the model runs on CUDA (model.device cuda, or auto with a
-    CUDA device present), float32 on the CPU."""
-    cuda = model_cfg.device == "cuda" or (model_cfg.device == "auto" and torch.cuda.is_available())
-    return model_cfg.dtype if model_cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    """model.dtype in effect: auto is bfloat16 where the model runs on CUDA, float32 on the CPU."""
+    return model_cfg.dtype if model_cfg.dtype != "auto" else ("bfloat16" if runs_on_cuda(model_cfg) else "float32")
 
 
 def resolve_device(model_cfg) -> tuple[torch.device, torch.dtype]:
-    cuda = torch.cuda.is_available()
-    if model_cfg.device == "cuda" and not cuda:
+    if model_cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("model.device is 'cuda' but no CUDA device is available")
-    device = torch.device("cuda" if model_cfg.device == "cuda" or (model_cfg.device == "auto" and cuda) else "cpu")
+    device = torch.device("cuda" if runs_on_cuda(model_cfg) else "cpu")
     name = dtype_name(model_cfg)
     if device.type == "cuda" and name == "bfloat16" and not torch.cuda.is_bf16_supported():
         raise ConfigError("model.dtype bfloat16 is not supported by this CUDA device; use float16")
