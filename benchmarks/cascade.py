@@ -16,7 +16,8 @@ batches of 64-512 rows, all or half of them in groups of 2-16 rows sharing 128-1
 its own 1-64 or 1-512 tokens, and prints one CSV line a point: the data
 that engine/prefix_groups.py's cost model is fitted to; --fit CSV (on any machine) fits StepCost to it.
 --many times the op's parts (the prefix pass at its tile and at the MANY_PREFIX_TILES, the suffix pass, the
-merge) on batches of many small groups, such as the n samples of prompts, and of one large group.
+merge) on batches of many small groups, such as the n samples of prompts, and of one large group (with torch's
+cuDNN attention over a contiguous prefix beside it).
 Without CUDA it prints a message and exits 0.
 """
 import argparse
@@ -157,17 +158,31 @@ def engine_layout(x):
 
 
 MANY_CASES = ((512, 16, 1024, 512), (512, 16, 1024, 64), (256, 8, 512, 256), (64, 16, 128, 64), (64, 4, 1536, 64),
-              (512, 512, 2048, 256), (256, 256, 2048, 256))
+              (1024, 16, 1024, 512), (1024, 1024, 2048, 256), (512, 512, 2048, 256), (256, 256, 2048, 256))
 # (BLOCK_M, BLOCK_N, warps, stages, programs per SM)
 MANY_PREFIX_TILES = ((64, 64, 4, 2, 2), (64, 64, 4, 3, 2), (64, 128, 4, 2, 2), (64, 64, 4, 2, 3), (64, 64, 4, 2, 4),
                      (32, 64, 4, 2, 3), (32, 128, 4, 2, 2), (128, 64, 4, 2, 2), (128, 128, 8, 3, 1), (128, 64, 8, 2, 2))
 
 
+def sdpa_reference(q, prefix: int):
+    """torch's cuDNN attention of q's rows against `prefix` keys held contiguously (each kv head's for its
+    query heads): a call as long as the prefix pass of one group with the fastest kernel at hand."""
+    queries = q.unsqueeze(0).transpose(1, 2)  # [1, Hq, rows, D]
+    keys = torch.randn(1, HKV, prefix, D, dtype=q.dtype, device=q.device).repeat_interleave(HQ // HKV, 1)
+    values = torch.randn_like(keys)
+
+    def attend():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(queries, keys, values)
+    return attend
+
+
 def time_many_parts(generator) -> None:
     """The cascade op's parts on batches of many small groups and of one large one (MANY_CASES: rows, group
     rows, prefix, own tokens up to), in the engine's layout: the prefix pass at its tile and at each of
-    MANY_PREFIX_TILES (planned for that tile's programs), at PREFIX_ROUNDS 1 and 4, the suffix pass, the
-    merge."""
+    MANY_PREFIX_TILES (planned for that tile's programs), the suffix pass, the merge; for one group, torch's
+    SDPA (cuDNN) over a contiguous copy of its prefix, as a reference of what the prefix pass's arithmetic
+    allows."""
     for batch, r, p, own in MANY_CASES:
         suffixes = torch.randint(1, own + 1, (batch,), generator=generator)
         x = engine_layout(make_batch([r] * (batch // r), p, suffixes, generator))
@@ -178,7 +193,7 @@ def time_many_parts(generator) -> None:
         groups = (x["cu_group_rows"].cpu().numpy(), x["group_prefix_lens"].cpu().numpy())
 
         def prefix():
-            """The prefix pass at the current PREFIX_CFG and PREFIX_ROUNDS, planned for them."""
+            """The prefix pass at the current PREFIX_CFG, planned for it."""
             shape, cfg = cascade.PrefixPass.of(q, kc), cascade.prefix_cfg(q, kc)
             plan = torch.from_numpy(shape.plan(*groups)).to(q.device)
             return lambda: cascade._launch_prefix(q, kc, vc, bt, scale, plan, row_prefix, partials, shape.programs,
@@ -190,10 +205,9 @@ def time_many_parts(generator) -> None:
         for block_m, block_n, warps, stages, per_sm in MANY_PREFIX_TILES:
             with gpu_config(cascade.PREFIX_CFG, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
                             num_stages=stages, programs_per_sm=per_sm):
-                for rounds in (1, 4):
-                    cascade.PREFIX_ROUNDS, default_rounds = rounds, cascade.PREFIX_ROUNDS
-                    parts[f"prefix {block_m}x{block_n}/{warps}/{stages}, {per_sm} a SM, rounds {rounds}"] = prefix()
-                    cascade.PREFIX_ROUNDS = default_rounds
+                parts[f"prefix {block_m}x{block_n}/{warps}/{stages}, {per_sm} a SM"] = prefix()
+        if r == batch:
+            parts["torch SDPA (cuDNN), the prefix contiguous"] = sdpa_reference(q, p)
         parts["suffix"] = lambda: paged_attention.launch_decode(
             q, kc, vc, bt, seq_lens, scale, splits, partials=partials, ctx_start=row_prefix[0],
             first_slot=cascade.PREFIX_SLOTS, short_contexts=True)

@@ -8,7 +8,8 @@ physical blocks). Three kernels, none of which synchronises with the host:
 1. prefix: a list of work items, each a tile of up to BLOCK_Q rows of one group against one chunk of the
    group's prefix, which the host plans from the groups (PrefixPass.plan) and the device reads. A fixed
    grid of programs per kv head walks the list (program p takes items p, p + programs, ...), so the grid
-   holds no program without work whatever the step's groups, and a chunk count fits each group. A tile
+   holds no program without work whatever the step's groups, and the chunk length is the one whose items
+   end first (PrefixPass.chunks); an item's whole key tiles run without a key mask, its last one with. A tile
    packs its rows x the Hq / Hkv query heads of one kv head into the BLOCK_M rows of tl.dot, so the
    prefix K/V is read once per tile (once per group when its rows fit one tile) instead of once per row.
    An item writes partial (out, log2-sum-exp) to its chunk's slot in [0, PREFIX_SLOTS), and the items of
@@ -45,7 +46,7 @@ PREFIX_CFG = {
 # next_pow2(PREFIX_SLOTS + splits) slots wide (at 8 the merge of 512 rows took 20.8 us: benchmarks/NOTES.md, session 29)
 PREFIX_SLOTS = 4
 CHUNK_MIN_TOKENS = 256  # a chunk writes BLOCK_M x D float32 partials: keep it well above that
-PREFIX_ROUNDS = 2       # items per program a plan aims at: more balances better, and writes more partials
+PREFIX_ROUNDS = 2       # a plan's items beyond one a tile: at most this many per program (the work list's bound)
 WORK_FIELDS = 8         # an item: first row, rows, chunk start, chunk end, slot, its group's slots and prefix, 0
 
 
@@ -80,11 +81,18 @@ def _prefix_kernel(
         q, m_i, l_i, acc = load_query_tile(q_ptr, rows, heads, row_mask, offs_d, d_mask, s_qb, s_qh, s_qd,
                                            BLOCK_M, BLOCK_D, DOT_DTYPE)
         # the tile's first row's block table: the prefix blocks are every member's
+        bt_row = bt_ptr + row0.to(tl.int64) * s_btb
+        start, end = tl.load(item + 2), tl.load(item + 3)
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N  # the tiles before it need no key mask
         acc, m_i, l_i = attend_range(
-            q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_ptr + row0.to(tl.int64) * s_btb,
-            tl.load(item + 2), tl.load(item + 3),
+            q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, start, full_end,
             s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, DOT_PREC, False,
+        )
+        acc, m_i, l_i = attend_range(
+            q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, full_end, end,
+            s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
+            BLOCK_SIZE, BLOCK_N, DOT_PREC, True,
         )
         store_partial(part_o_ptr, part_lse_ptr, rows * num_q_heads + heads, slot, acc, m_i, l_i, offs_d,
                       row_mask, d_mask, BLOCK_S, BLOCK_D)
@@ -124,20 +132,34 @@ class PrefixPass:
                    decode_block_n if bs % decode_block_n == 0 else 1, prefix_programs(cfg, Hkv, q.device))
 
     def chunks(self, rows: np.ndarray, prefixes: np.ndarray):
-        """Per group (rows [G], prefix tokens [G]): (aligned prefix, tiles, chunks, tokens a chunk). The items
-        (tiles x chunks) aim at PREFIX_ROUNDS per program, in chunks of >= CHUNK_MIN_TOKENS, <= PREFIX_SLOTS a
-        group, none empty; a group with an aligned prefix of 0 has none."""
+        """Per group (rows [G], prefix tokens [G]): (aligned prefix, tiles, chunks, tokens a chunk). Of the chunk
+        lengths that cut the longest prefix into 1 .. PREFIX_SLOTS chunks (>= CHUNK_MIN_TOKENS, on block_n), the
+        one whose items end first (makespan), fewer items on a tie; a group with an aligned prefix of 0 has none."""
         prefixes = prefixes - prefixes % self.align
         tiles = np.where(prefixes > 0, -(-rows // self.block_q), 0)
-        target = max(CHUNK_MIN_TOKENS, -(-int((tiles * prefixes).sum()) // (PREFIX_ROUNDS * self.programs)))
-        chunks = np.clip(-(-prefixes // target), 1, PREFIX_SLOTS)
-        per = -(-(-(-prefixes // chunks)) // self.block_n) * self.block_n
-        chunks = np.where(prefixes > 0, -(-prefixes // np.maximum(per, 1)), 0)
-        return prefixes, tiles, chunks, per
+        longest, best = int(prefixes.max(initial=0)), None
+        for count in range(1, PREFIX_SLOTS + 1):
+            length = -(-max(CHUNK_MIN_TOKENS, -(-longest // count)) // self.block_n) * self.block_n
+            chunks = np.minimum(-(-prefixes // length), PREFIX_SLOTS)
+            per = -(-(-(-prefixes // np.maximum(chunks, 1))) // self.block_n) * self.block_n
+            chunks = np.where(prefixes > 0, -(-prefixes // np.maximum(per, 1)), 0)
+            if best is not None and (tiles * (chunks - 1)).sum() > PREFIX_ROUNDS * self.programs:
+                break  # more chunks only add items
+            span = self.makespan(tiles, chunks, per, prefixes)
+            if best is None or span < best[0]:
+                best = (span, chunks, per)
+        return prefixes, tiles, best[1], best[2]
+
+    def makespan(self, tiles, chunks, per, prefixes) -> int:
+        """The tokens (plus block_n an item: its query tile and partial) that program 0 walks, which takes the
+        longest item of each round when the items are dealt largest first: the plan's time in tokens."""
+        last = prefixes - (chunks - 1) * per
+        lengths = np.concatenate([np.repeat(per, tiles * (chunks - 1)), np.repeat(last, tiles)])
+        return int((np.sort(lengths)[::-1][::self.programs] + self.block_n).sum())
 
     def max_items(self, max_rows: int, max_groups: int) -> int:
-        """A bound of W over steps of <= max_rows rows in <= max_groups groups: the chunks aim at
-        PREFIX_ROUNDS x programs items, and rounding adds at most one chunk a tile."""
+        """A bound of W over steps of <= max_rows rows in <= max_groups groups: one item a tile and at most
+        PREFIX_ROUNDS x programs more (chunks)."""
         return PREFIX_ROUNDS * self.programs + max_rows // self.block_q + max_groups
 
     def plan(self, cu_group_rows: np.ndarray, group_prefix_lens: np.ndarray) -> np.ndarray:

@@ -152,10 +152,11 @@ def load_query_tile(q_ptr, q_rows, heads, row_mask, offs_d, d_mask, s_qt, s_qh, 
 def attend_range(
     q, acc, m_i, l_i, qk_scale, kc_ptr, vc_ptr, kvh, bt_row, start, end,
     s_kch, s_kcb, s_kct, s_kcd, s_vch, s_vcb, s_vct, s_vcd, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, MASK_KV: tl.constexpr = True,
 ):
     """Online softmax of the tile q over keys [start, end) of kv head kvh, every query seeing every key
-    (start: a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0)."""
+    (start: a multiple of BLOCK_N when BLOCK_SIZE % BLOCK_N == 0). MASK_KV=False: end - start is a multiple
+    of BLOCK_N (no key to mask)."""
     offs_n = tl.arange(0, BLOCK_N)
     kc_head = kc_ptr + kvh.to(tl.int64) * s_kch
     vc_head = vc_ptr + kvh.to(tl.int64) * s_vch
@@ -165,7 +166,7 @@ def attend_range(
             kc_head, vc_head, bt_row, n0, end,
             s_kcb, s_kct, s_kcd, s_vcb, s_vct, s_vcd,
             offs_n, offs_d, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, False, DOT_PREC,
+            BLOCK_SIZE, BLOCK_N, MASK_KV, False, DOT_PREC,
         )
     return acc, m_i, l_i
 

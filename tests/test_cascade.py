@@ -235,6 +235,46 @@ def test_plan_covers_each_grouped_row_once(gen):
         assert not seen
 
 
+def dealt_makespan(lengths, programs: int, block_n: int) -> int:
+    """The tokens of the busiest program when program p takes items p, p + programs, ... of the list (the
+    prefix kernel's walk), each item costing its tokens plus block_n."""
+    loads = [0] * programs
+    for i, n in enumerate(lengths):
+        loads[i % programs] += n + block_n
+    return max(loads, default=0)
+
+
+def test_plan_picks_the_shortest_makespan():
+    """One group: the plan's items, dealt as the kernel walks them, end no later than those of any chunk count
+    1 .. PREFIX_SLOTS cut by hand (chunks of the prefix over the count, rounded up to block_n, at least
+    CHUNK_MIN_TOKENS, then evened out over the chunks that makes; a count past the work list's bound is not a
+    candidate); and the shapes measured on the
+    H100 (benchmarks/NOTES.md, session 46) take the counts that ran fastest there."""
+    from ops import cascade
+
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        rows, prefix = int(rng.integers(1, 1100)), int(rng.integers(1, 5000))
+        shape = cascade.PrefixPass(block_q=int(rng.choice([16, 32, 64])), block_n=int(rng.choice([32, 64])),
+                                   align=1, programs=int(rng.integers(1, 40)))
+        work = shape.plan(np.array([0, rows]), np.array([prefix]))
+        planned = dealt_makespan((work[1:, 3] - work[1:, 2]).tolist(), shape.programs, shape.block_n)
+        tiles, spans = -(-rows // shape.block_q), []
+        for count in range(1, cascade.PREFIX_SLOTS + 1):
+            length = -(-max(cascade.CHUNK_MIN_TOKENS, -(-prefix // count)) // shape.block_n) * shape.block_n
+            chunks = -(-prefix // length)
+            length = -(-(-(-prefix // chunks)) // shape.block_n) * shape.block_n  # the chunks evened out
+            chunks = -(-prefix // length)
+            if count > 1 and tiles * (chunks - 1) > cascade.PREFIX_ROUNDS * shape.programs:
+                break
+            per_tile = [length] * (chunks - 1) + [prefix - (chunks - 1) * length]
+            spans.append(dealt_makespan(sorted(per_tile * tiles, reverse=True), shape.programs, shape.block_n))
+        assert planned == min(spans), (trial, rows, prefix, shape)
+    h100 = cascade.PrefixPass(block_q=32, block_n=64, align=32, programs=33)
+    for rows, prefix, chunks in [([1024], 2048, 1), ([512], 2048, 2), ([16] * 64, 1024, 1)]:
+        assert set(h100.chunks(np.array(rows), np.full(len(rows), prefix))[2].tolist()) == {chunks}
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs every dtype in the tests above")
 def test_cascade_bfloat16_interpreter(gen, nan_buffers):
     dtype = torch.bfloat16
