@@ -248,8 +248,8 @@ def test_plan_picks_the_shortest_makespan():
     """One group: the plan's items, dealt as the kernel walks them, end no later than those of any chunk count
     1 .. PREFIX_SLOTS cut by hand (chunks of the prefix over the count, rounded up to block_n, at least
     CHUNK_MIN_TOKENS, then evened out over the chunks that makes; a count past the work list's bound is not a
-    candidate); and the shapes measured on the
-    H100 (benchmarks/NOTES.md, session 46) take the counts that ran fastest there."""
+    candidate); and the shapes measured on the H100 (benchmarks/NOTES.md, session 46) take the counts that ran
+    fastest there."""
     from ops import cascade
 
     rng = np.random.default_rng(1)
