@@ -208,6 +208,9 @@ def engine_config(model: str = "tiny", **options) -> EngineConfig:
     """The checked config of LLM(model, **options): the presets conf/config.yaml picks by default (the same
     as the command line's), `model` a conf/model/ name or else a checkpoint directory or hub id, and the
     options by their field names (vLLM's where it has one). TypeError for an unknown option."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"LLM() model must be a conf/model/ name, a checkpoint directory or a hub id, got {model!r}")
+    model = os.fspath(model)
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         named = ", ".join(f"{name!r}{did_you_mean(name, OPTIONS, ' (did you mean {}?)')}" for name in unknown)
@@ -253,6 +256,7 @@ def check_engine_config(cfg) -> None:
                 f"must be null or one of {QUANTIZATIONS}", m.quantization)
     check_value(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
     check_value(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
+    check_value(-2**63 <= m.seed < 2**64, "model.seed", "must fit in 64 bits (-2^63 to 2^64 - 1)", m.seed)
     check_value(m.tensor_parallel_size >= 1, "model.tensor_parallel_size", "must be >= 1", m.tensor_parallel_size)
     check_value(0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",
                 f"must be a token id below model.vocab_size ({m.vocab_size}), or EOS could never end a sequence",

@@ -47,6 +47,7 @@ PROMPT_KINDS = "a string, a list of token ids, or a dict with 'prompt' (a string
 
 STREAM_SUPERSEDED = ("this stream has stopped: a later generate, chat or stream call on the same LLM took the "
                      "engine (one runs at a time), and the requests it had in flight were dropped")
+CLOSED = "this LLM is closed: make a new one"
 
 
 @dataclass
@@ -156,8 +157,14 @@ class LLM:
         """The end-of-sequence ids (config.json's and generation_config.json's together)."""
         return self.engine.eos_token_ids
 
+    def _open_engine(self) -> LLMEngine:
+        """The engine, or RuntimeError once close() has freed it."""
+        if self.engine.closed:
+            raise RuntimeError(CLOSED)
+        return self.engine
+
     def settings(self) -> EngineSettings:
-        engine = self.engine
+        engine = self._open_engine()
         device = engine.device
         return EngineSettings(
             model=self.cfg.model.name, model_path=self.cfg.model.path or "", dtype=str(engine.dtype).removeprefix("torch."),
@@ -174,28 +181,30 @@ class LLM:
 
     def stats(self, since_step: int = 0) -> RunStats:
         """The steps from `since_step` on and the figures of the whole run (waits for the device)."""
-        engine = self.engine
+        engine = self._open_engine()
         return RunStats(engine.stats.steps[since_step:],
                         engine.stats.summary(engine.num_blocks, engine.block_size, engine.max_model_len),
                         engine.sampler_fallbacks)
 
     def floor_model(self) -> FloorModel:
         """The model's sizes that engine/stats.py's workload floor is computed from."""
-        engine = self.engine
+        engine = self._open_engine()
         return floor_model(engine.model, engine.kv_cache.bytes // (engine.num_blocks * engine.block_size))
 
     def hf_model(self):
         """transformers' model with this engine's weights (a baseline to compare with)."""
-        return to_hf_model(self.engine.model)
+        return to_hf_model(self._open_engine().model)
 
     def prepare_structured_outputs(self) -> None:
         """Build the grammar compiler now: a job whose rows may carry constraints calls it before its rows
         come, so that the first constrained request does not wait for the grammar library to take the
         tokenizer (~2 s for 150k tokens, once)."""
-        self.engine.grammars  # noqa: B018 (a cached_property: reading it builds it)
+        self._open_engine().grammars  # noqa: B018 (a cached_property: reading it builds it)
 
     def close(self) -> None:
-        """Free the KV cache and the CUDA graphs; generating afterwards is an error."""
+        """Free the KV cache and the CUDA graphs; every call that needs them afterwards is a RuntimeError, an
+        open stream's next result too (its requests are aborted first)."""
+        self._drop_stream()
         self.engine.close()
 
     # -- everything at once --------------------------------------------------------------------------
@@ -219,6 +228,7 @@ class LLM:
              chat_template_kwargs: dict | None = None, *, use_tqdm: bool = False) -> list[RequestOutput]:
         """generate() on conversations (lists of {"role", "content"}), through the tokenizer's chat template
         with the generation prompt added."""
+        check_chat_template_kwargs(chat_template_kwargs)
         self.check_chat_template()
         if not isinstance(messages, (list, tuple)):
             raise RequestError(f"messages must be a conversation (a list of {{role, content}}) or a list of them, "
@@ -256,6 +266,7 @@ class LLM:
         is pulled from `requests` and tokenized only when one leaves, so memory is bounded by the window
         whatever the length of `requests`. A request that cannot run yields an error result at once; an item
         that is not a Request stops the stream with a TypeError naming it."""
+        check_chat_template_kwargs(chat_template_kwargs)
         return self._serve((self._checked(stream_request(i, request), chat_template_kwargs)
                             for i, request in enumerate(requests)), window)
 
@@ -264,8 +275,7 @@ class LLM:
         """Queue each checked request (an error result for one that cannot run) while fewer than `window`
         are in the engine and the scheduler is not saturated, stepping it meanwhile, so the intake
         overlaps the device's steps; yield the outputs as their requests finish."""
-        if self.engine.closed:
-            raise RuntimeError("this LLM is closed: make a new one")
+        self._open_engine()
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be a whole number >= 1, got {window!r}")
         window = window or 2 * self.engine.scheduler.max_num_seqs
@@ -277,7 +287,7 @@ class LLM:
                 for output in self._outputs_of(checked, window):
                     yield output
                     if self._stream is not stream:
-                        raise RuntimeError(STREAM_SUPERSEDED)
+                        raise RuntimeError(CLOSED if self.engine.closed else STREAM_SUPERSEDED)
         finally:  # the end, an error, an interrupt, or the caller closing the stream
             if self._stream is stream:
                 self._drop_stream()
@@ -338,6 +348,8 @@ class LLM:
                 if ids.min() >= 0 and ids.max() < vocab_size:
                     return token_ids
         outside = next((i for i, t in enumerate(token_ids) if not (_is_token_id(t) and 0 <= t < vocab_size)), None)
+        if outside is not None and not _is_token_id(token_ids[outside]):
+            raise RequestError(f"prompt_token_ids[{outside}] must be a token id (an int), got {token_ids[outside]!r}")
         if outside is not None:
             raise RequestError(f"token id {token_ids[outside]!r} at position {outside} is not in the vocabulary "
                                f"[0, {vocab_size})")
@@ -361,6 +373,13 @@ class LLM:
         if not request.prompt:
             raise RequestError("prompt is empty")
         return self.tokenizer.encode(request.prompt)  # with its special tokens (a BOS), as vLLM
+
+
+def check_chat_template_kwargs(kwargs) -> None:
+    """TypeError unless chat_template_kwargs is None or a dict (the template's keyword arguments)."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"chat_template_kwargs must be a dict of the chat template's keyword arguments or None, "
+                        f"got {kwargs!r:.60}")
 
 
 def stream_request(index: int, item) -> Request:

@@ -377,11 +377,57 @@ def test_a_call_inside_a_stream_ends_that_stream_with_an_error(tiny):
 
 
 def test_a_closed_llm_says_so():
+    """After close(): generating, the settings and the statistics are a RuntimeError saying so, and a stream
+    left open across the close raises it at its next result, its requests aborted first."""
     llm = LLM(model="tiny", max_model_len=64, device="cpu", max_num_seqs=2)
+    stream = llm.stream([Request(i, prompt=f"p{i}", sampling_params=SamplingParams(max_tokens=4 + 4 * i))
+                         for i in range(6)], window=2)
+    next(stream)
+    assert llm.engine.has_work
     llm.close()
+    assert not llm.engine.has_work
+    with pytest.raises(RuntimeError, match="^this LLM is closed: make a new one$"):
+        next(stream)
     for _ in range(2):  # the first failure leaves nothing half-done for the second
-        with pytest.raises(RuntimeError, match="this LLM is closed"):
-            llm.generate("a")
+        for call in (lambda: llm.generate("a"), llm.settings, llm.stats, llm.floor_model, lambda: list(llm.stream([]))):
+            with pytest.raises(RuntimeError, match="^this LLM is closed: make a new one$"):
+                call()
+
+
+def test_chat_template_kwargs_of_the_wrong_kind_are_named(tiny):
+    conversation = [{"role": "user", "content": "a"}]
+    for call in (lambda: tiny.chat(conversation, chat_template_kwargs=5),
+                 lambda: tiny.stream([Request(0, messages=conversation)], chat_template_kwargs=["x"])):
+        with pytest.raises(TypeError, match="^chat_template_kwargs must be a dict of the chat template's keyword "
+                                            "arguments or None, got "):
+            call()
+    assert not tiny.engine.has_work
+
+
+def test_a_token_id_that_is_no_int_is_named_in_a_stream(tiny):
+    """A bool or a float among a stream request's token ids is named as such (its value may lie in the
+    vocabulary), and an int outside the vocabulary as that."""
+    requests = [Request("bool", prompt_token_ids=[1, True]), Request("float", prompt_token_ids=[1, 2.0]),
+                Request("outside", prompt_token_ids=[1, tiny.vocab_size])]
+    errors = {o.request_id: o.error for o in tiny.stream(requests)}
+    assert errors == {"bool": "prompt_token_ids[1] must be a token id (an int), got True",
+                      "float": "prompt_token_ids[1] must be a token id (an int), got 2.0",
+                      "outside": f"token id {tiny.vocab_size} at position 1 is not in the vocabulary "
+                                 f"[0, {tiny.vocab_size})"}
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(seed=2**64), ConfigError,
+     r"^model.seed must fit in 64 bits \(-2\^63 to 2\^64 - 1\), got 18446744073709551616$"),
+    (dict(seed=-2**63 - 1), ConfigError, r"^model.seed must fit in 64 bits"),
+    (dict(model=None), TypeError, r"^LLM\(\) model must be a conf/model/ name, a checkpoint directory or a hub id, "
+                                  r"got None$"),
+])
+def test_llm_arguments_out_of_range_are_named(options, error, message):
+    """Before any work: a seed beyond 64 bits (torch's generators take -2^63 .. 2^64 - 1), a model that is
+    no name or path."""
+    with pytest.raises(error, match=message):
+        engine_config(**{"model": "tiny", **options})
 
 
 @pytest.mark.parametrize("request_, error", [
