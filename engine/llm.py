@@ -192,8 +192,9 @@ class LLM:
         return floor_model(engine.model, engine.kv_cache.bytes // (engine.num_blocks * engine.block_size))
 
     def hf_model(self):
-        """transformers' model with this engine's weights (a baseline to compare with)."""
-        return to_hf_model(self._open_engine().model)
+        """transformers' model with this engine's weights (a baseline to compare with); after close() too, which
+        frees the KV cache and the graphs, not the weights."""
+        return to_hf_model(self.engine.model)
 
     def prepare_structured_outputs(self) -> None:
         """Build the grammar compiler now: a job whose rows may carry constraints calls it before its rows
@@ -203,7 +204,7 @@ class LLM:
 
     def close(self) -> None:
         """Free the KV cache and the CUDA graphs; every call that needs them afterwards is a RuntimeError, an
-        open stream's next result too (its requests are aborted first)."""
+        open stream's next result too (its requests are aborted first). hf_model() still works."""
         self._drop_stream()
         self.engine.close()
 
