@@ -86,10 +86,15 @@ def _kind(annotation) -> str:
     return "a list such as [1, 2]" if typing.get_origin(annotation) is list else KINDS.get(annotation, str(annotation))
 
 
+def _is_bool(annotation) -> bool:
+    return annotation is bool or set(typing.get_args(annotation)) == {bool, type(None)}
+
+
 def check_overrides(args: list[str]) -> None:
     """ConfigError for what Hydra would reject in these command-line overrides: an unknown key (with the
     closest known one, as key=value and as +key=value alike), a known key appended with +, a value of the
-    wrong type, an option that a config group does not have; one that does not parse (named, on one line)."""
+    wrong type (a number for true or false too, which OmegaConf would take), an option that a config group does
+    not have, a key removed (~) or a group placed elsewhere (@); one that does not parse (named, on one line)."""
     try:
         overrides = OverridesParser.create().parse_overrides(get_args_parser().parse_known_args(args)[0].overrides)
     except OverrideParseException as err:
@@ -98,8 +103,11 @@ def check_overrides(args: list[str]) -> None:
     jobs = next((_values(o) for o in overrides if o.key_or_group == "job"), [default_options()["job"]])
     for override in overrides:
         key = override.key_or_group
-        if override.is_hydra_override() or override.package is not None or override.is_delete():
+        if override.is_hydra_override():
             continue
+        if override.is_delete() or override.package is not None:
+            raise ConfigError(f"{override.input_line or key}: removing a key (~) or placing a config group elsewhere "
+                              f"(@) is not supported; set the key's value instead")
         if key in GROUPS:
             unknown = [v for v in _values(override) if v not in group_options(key)]
             if unknown:
@@ -110,6 +118,8 @@ def check_overrides(args: list[str]) -> None:
             if override.is_add():
                 raise ConfigError(f"{key} is a known key: set it without the +, as {key}=...")
             for value in _values(override):
+                if _is_bool(field.type) and not isinstance(value, (bool, type(None))):
+                    raise ConfigError(f"{key} must be {_kind(field.type)}, got {value!r}")  # OmegaConf takes 2 as true
                 try:
                     setattr(OmegaConf.structured(owner), field.name, value)  # OmegaConf's conversions, as Hydra's
                 except ValidationError:

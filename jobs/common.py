@@ -63,6 +63,8 @@ class RunDirCheck(Callback):
     def on_run_start(self, config, **kwargs) -> None:
         directory = Path(config.hydra.run.dir)
         try:
+            if not str(config.hydra.run.dir).strip():  # Path("") is the working directory
+                raise JobError("hydra.run.dir is empty: name a directory, or leave it out (outputs/<job>/<time>)")
             problem = run_dir_problem(directory)
             if problem:
                 raise JobError(f"hydra.run.dir {directory} {problem}")

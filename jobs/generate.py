@@ -229,11 +229,11 @@ def generate_job(cfg, directory: Path) -> None:
                                   job.flush_interval_s, model_fingerprint(cfg))
             todo = source.num_rows - writer.resumed
             if source.num_rows == 0:
-                log.warning("job.input has no rows: writing an empty output")
+                log.warning("job.input has no rows: writing an empty output (and the run's summary: its settings)")
             elif writer.resumed:
                 log.info("resuming: %d of %d rows already written in %s; computing the other %d",
                          writer.resumed, source.num_rows, writer.parts_dir, todo)
-            if todo:
+            if todo or not source.num_rows:
                 compute(cfg, source, columns, writer, directory)
             elif source.num_rows:
                 log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")

@@ -157,6 +157,7 @@ def test_errors_print_one_line_without_a_traceback(tmp_path):
         "bad setting": (["cache.block_size=0"], "error: cache.block_size must be >= 1, got 0"),
         "appended unknown key": (["+cache.blok_size=3"], "error: unknown config key 'cache.blok_size'"),
         "bad value": (["cache.block_size=abc"], "error: cache.block_size must be a whole number, got 'abc'"),
+        "empty run dir": (["hydra.run.dir="], "error: hydra.run.dir is empty: name a directory"),
         "run dir is a file": ([f"hydra.run.dir={tmp_path / 'a_file'}"],
                               f"error: hydra.run.dir {tmp_path / 'a_file'} is a file, not a directory"),
         "run dir name too long": ([f"hydra.run.dir={tmp_path / long_name}"],  # the check's own OSError
@@ -198,6 +199,10 @@ def test_jobs_started_together_get_run_directories_of_their_own(tmp_path):
     runs = sorted((tmp_path / "outputs" / "generate").iterdir())
     assert len(runs) == 2 and all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d\.\d{6}", r.name) for r in runs), runs
     assert all((r / "generations.parquet").is_file() and (r / ".hydra" / "config.yaml").is_file() for r in runs)
+    # an empty input is a run too: its summary (settings, no requests) and its steps (none), which analyze reads
+    for r in runs:
+        assert pq.read_table(r / "summary.parquet").column("num_requests").to_pylist() == [0]
+        assert pq.read_table(r / "steps.parquet").num_rows == 0
 
 
 # -- job level: the run directory and the input under a resumed run ---------------------------------

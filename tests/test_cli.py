@@ -87,6 +87,12 @@ def test_every_key_has_a_description(schema):
     (["sampling.max_tokens=2.5"], "sampling.max_tokens must be a whole number or null, got 2.5"),
     (["cache.kv_budget_gb=lots"], "cache.kv_budget_gb must be a number or null, got 'lots'"),
     (["sampling.ignore_eos=maybe"], "sampling.ignore_eos must be true or false or null, got 'maybe'"),
+    (["sampling.ignore_eos=2"], "sampling.ignore_eos must be true or false or null, got 2"),  # OmegaConf: true
+    (["-m", "cache.enable_prefix_caching=true,0"], "cache.enable_prefix_caching must be true or false, got 0"),
+    (["~job"], "~job: removing a key (~) or placing a config group elsewhere (@) is not supported; set the key's "
+               "value instead"),
+    (["~cache.kv_budget_gb"], "~cache.kv_budget_gb: removing a key (~)"),
+    (["cache@other=default"], "cache@other=default: removing a key (~) or placing a config group elsewhere (@)"),
     (["--multirun", "cache.block_size=8,abc"], "cache.block_size must be a whole number, got 'abc'"),
     (["-m", "job=bench", "job.output_len=[4,8],abc"], "job.output_len must be a list such as [1, 2], got 'abc'"),
     (["model=qwen3"], "model: no option 'qwen3'; options: " + ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))),
@@ -103,8 +109,9 @@ def test_overrides_hydra_would_reject_get_our_message(args, message):
 def test_valid_overrides_pass():
     run.check_overrides(["-m", "job=bench", "job.num_prompts=3", "job.input_len=[1,8]", "cache.block_size=8,16",
                          "cache.num_blocks=null", "model=qwen3-0.6b", "model.path=Qwen/Qwen3-0.6B",
-                         "sampling.stop_token_ids=[1,2]", "++cache.block_size=32", "~cache.kv_budget_gb",
-                         "cache.num_blocks=${scheduler.max_num_seqs}", "hydra.run.dir=x", "hydra/launcher=basic"])
+                         "sampling.stop_token_ids=[1,2]", "++cache.block_size=32", "sampling.ignore_eos=false",
+                         "cache.num_blocks=${scheduler.max_num_seqs}", "hydra.run.dir=x", "hydra/launcher=basic",
+                         "~hydra/job_logging"])
     # sweeps of lists, which Hydra runs (the check once read each of their values as its text: '[4,8]')
     run.check_overrides(["-m", "job=bench", "job.output_len=[4,8],[8,16]", "job.input_len=choice([1,8],[2,9])",
                          "sampling.stop_token_ids=[1],[2]", "sampling.stop=['a b'],[c]"])
