@@ -228,12 +228,16 @@ def generate_job(cfg, directory: Path) -> None:
             writer = ResultWriter(directory, source.num_rows, cfg, source.fingerprint(), job.flush_every,
                                   job.flush_interval_s, model_fingerprint(cfg))
             todo = source.num_rows - writer.resumed
+            # an input without rows still starts the local engine for the run's summary (its settings); Ray's
+            # engines, which report only on rows, are not started for none
+            empty_run = source.num_rows == 0 and cfg.executor.name == "local"
             if source.num_rows == 0:
-                log.warning("job.input has no rows: writing an empty output (and the run's summary: its settings)")
+                log.warning("job.input has no rows: writing an empty output%s",
+                            " and the run's summary" if empty_run else "")
             elif writer.resumed:
                 log.info("resuming: %d of %d rows already written in %s; computing the other %d",
                          writer.resumed, source.num_rows, writer.parts_dir, todo)
-            if todo or not source.num_rows:
+            if todo or empty_run:
                 compute(cfg, source, columns, writer, directory)
             elif source.num_rows:
                 log.info("nothing left to compute: steps.parquet and summary.parquet are left as they were")
