@@ -118,7 +118,7 @@ def check_overrides(args: list[str]) -> None:
             if override.is_add():
                 raise ConfigError(f"{key} is a known key: set it without the +, as {key}=...")
             for value in _values(override):
-                if _is_bool(field.type) and not isinstance(value, (bool, type(None))):
+                if _is_bool(field.type) and isinstance(value, (int, float)) and not isinstance(value, bool):
                     raise ConfigError(f"{key} must be {_kind(field.type)}, got {value!r}")  # OmegaConf takes 2 as true
                 try:
                     setattr(OmegaConf.structured(owner), field.name, value)  # OmegaConf's conversions, as Hydra's
