@@ -40,6 +40,7 @@ import json
 import logging
 import signal
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -336,11 +337,12 @@ class ResultWriter:
         with atomic_path(path) as tmp:
             if output_format == "openai":
                 created, pieces = int(time.time()), TokenPieces(tokenizer) if tokenizer is not None else None
+                batch = uuid.uuid4().hex[:12]
                 with open(tmp, "w", encoding="utf-8") as out:
                     for rows, table in self.results(input_batches):
                         samples = table.select([n for n in schema.names if n in OPENAI_FIELDS]).to_pylist()
                         lines = [json.dumps(openai_line(int(row), [s for _, s in group], model, created, pieces,
-                                                              silent_eos)) + "\n"
+                                                              silent_eos, batch)) + "\n"
                                  for row, group in itertools.groupby(zip(rows, samples), lambda r: r[0])]
                         out.writelines(lines)
                         written += len(lines)
@@ -420,14 +422,15 @@ def openai_message(sample: dict) -> dict:
 
 
 def openai_line(row_number: int, samples: list[dict], model: str, created: int,
-                pieces: TokenPieces | None = None, silent_eos: frozenset[int] = frozenset()) -> dict:
+                pieces: TokenPieces | None = None, silent_eos: frozenset[int] = frozenset(), batch: str = "") -> dict:
     """One line of an OpenAI batch output file (the shape `vllm run-batch` writes) from the result rows of
-    one input row (a choice per sample), with ids made from the input row number; logprobs where the
-    samples have them (`pieces` names their tokens). stop_reason as vLLM's: the stop string or stop id,
-    null for an EOS of silent_eos."""
+    one input row (a choice per sample), with ids made from `batch` (the file's own token, so that two runs'
+    ids differ) and the input row number; logprobs where the samples have them (`pieces` names their
+    tokens). stop_reason as vLLM's: the stop string or stop id, null for an EOS of silent_eos."""
     first = samples[0]
-    head = {"id": f"minipaged-{row_number}", "custom_id": str(first["id"])}
-    request_id = f"minipaged-batch-{row_number}"
+    tag = f"{batch}-{row_number}" if batch else str(row_number)
+    head = {"id": f"minipaged-{tag}", "custom_id": str(first["id"])}
+    request_id = f"minipaged-batch-{tag}"
     if first["finish_reason"] == "error":
         return {**head, "response": {"status_code": 400, "request_id": request_id, "body": None},
                 "error": first["error"]}
@@ -440,7 +443,7 @@ def openai_line(row_number: int, samples: list[dict], model: str, created: int,
                 "stop_reason": s["stop_reason"] if s["stop_reason"] is not None else
                 None if s["stop_token_id"] in silent_eos else s["stop_token_id"]}
                for s in samples]
-    body = {"id": f"chatcmpl-{row_number}", "object": "chat.completion", "created": created, "model": model,
+    body = {"id": f"chatcmpl-{tag}", "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage}
     return {**head, "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 

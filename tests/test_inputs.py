@@ -194,7 +194,12 @@ def test_an_openai_batch_file_in_and_out(make_config, chat_checkpoint, tmp_path,
         prompt, completion = len(want.prompt_token_ids), len(want.outputs[0].token_ids)
         assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": completion,
                                  "total_tokens": prompt + completion}
-    assert results[2]["response"] == {"status_code": 400, "request_id": "minipaged-batch-2", "body": None}
+    batch = results[0]["id"].split("-")[1]  # the file's own token: another run's ids differ
+    assert [r["id"] for r in results] == [f"minipaged-{batch}-{row}" for row in range(4)]
+    assert results[0]["response"]["body"]["id"] == f"chatcmpl-{batch}-0"
+    assert results[2]["response"] == {"status_code": 400, "request_id": f"minipaged-batch-{batch}-2", "body": None}
+    again = run(make_config, tmp_path / "again", *common, "job.output_format=openai") / "generations.jsonl"
+    assert not {r["id"] for r in results} & {json.loads(line)["id"] for line in again.read_text().splitlines()}
     assert results[2]["error"] == "url '/v1/embeddings' is not supported, only /v1/chat/completions"
     assert results[3]["error"] == "max_tokens 2.5 is not a valid int"
 
