@@ -83,7 +83,7 @@ class CompilePool:
         self._has_tasks = threading.Condition(self._lock)
         self._sent: dict[str, concurrent.futures.Future] = {}  # by Triton's cache key
         self._closed = False
-        self.num_workers, self._workers = workers, []
+        self.num_workers, self._workers, self._threads = workers, [], []
         if start_now:
             self._start_workers()
 
@@ -98,7 +98,8 @@ class CompilePool:
             worker = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, env=env)
             self._workers.append(worker)
-            threading.Thread(target=self._serve, args=(worker,), daemon=True, name="compile-pool").start()
+            self._threads.append(threading.Thread(target=self._serve, args=(worker,), daemon=True, name="compile-pool"))
+            self._threads[-1].start()
 
     @contextlib.contextmanager
     def ahead(self):
@@ -228,7 +229,9 @@ class CompilePool:
         self._tasks.clear()
 
     def close(self) -> None:
-        """Stops the workers, a compilation under way included; a later ahead() compiles in this process."""
+        """Stops the workers, a compilation under way included, and closes their pipes once the threads that
+        read them have ended (a killed worker's pipe reads end at once); a later ahead() compiles in this
+        process."""
         with self._has_tasks:
             self._closed = True
             self._fail_queued("compile pool closed")
@@ -236,6 +239,12 @@ class CompilePool:
         for worker in self._workers:
             worker.kill()
             worker.wait()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        for worker in self._workers:
+            with contextlib.suppress(OSError):  # bytes of a task left in the buffer cannot reach a killed worker
+                worker.stdin.close()
+            worker.stdout.close()
 
 
 _PATCH_LOCK = threading.Lock()

@@ -102,6 +102,24 @@ def test_the_variants_a_dry_pass_meets_compile_in_workers_and_are_found_on_disk_
     """, tmp_path)
 
 
+def test_close_ends_the_workers_and_closes_their_pipes_ready_or_not(tmp_path):
+    run_child("""
+        import gc, warnings
+        warnings.simplefilter("error", ResourceWarning)  # an unclosed pipe found by the collector raises
+        for ready in (True, False):
+            pool = CompilePool(2, start_now=True)
+            if ready:
+                until_ready(pool, 2)
+            workers = list(pool._workers)
+            pool.close()
+            pool.close()  # twice is once
+            assert all(w.returncode is not None and w.stdin.closed and w.stdout.closed for w in workers)
+            assert not any(t.is_alive() for t in pool._threads)
+            del pool, workers
+            gc.collect()
+    """, tmp_path)
+
+
 def test_a_variant_already_on_disk_compiles_here_and_starts_no_worker(tmp_path):
     run_child("""
         assert builds(rms_norm(64)) == 1
