@@ -40,7 +40,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16; auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto | cpu | cuda; auto: CUDA when present
     cpu_threads: Optional[int] = None  # torch threads on the CPU; null: 1, more only for hidden sizes >= 1024
-    max_model_len: int = 512  # prompt + output tokens of one sequence
+    max_model_len: Optional[int] = None  # prompt + output tokens per sequence; null: a checkpoint's context, else 2048
     seed: int = 0  # seed of the random weights
     architecture: str = "Qwen3ForCausalLM"  # random weights: LlamaForCausalLM | Qwen2ForCausalLM | Qwen3ForCausalLM | Qwen3MoeForCausalLM (a checkpoint names its own)
     vocab_size: int = 257  # random weights: tokens in the vocabulary (a checkpoint has its own shape)
@@ -255,7 +255,8 @@ def check_engine_config(cfg) -> None:
     check_value(m.quantization is None or m.quantization in QUANTIZATIONS, "model.quantization",
                 f"must be null or one of {QUANTIZATIONS}", m.quantization)
     check_value(m.cpu_threads is None or m.cpu_threads >= 1, "model.cpu_threads", "must be >= 1 or null", m.cpu_threads)
-    check_value(m.max_model_len >= 2, "model.max_model_len", "must be >= 2", m.max_model_len)
+    check_value(m.max_model_len is None or m.max_model_len >= 2, "model.max_model_len", "must be >= 2 or null",
+                m.max_model_len)
     check_value(-2**63 <= m.seed < 2**64, "model.seed", "must fit in 64 bits (-2^63 to 2^64 - 1)", m.seed)
     check_value(m.tensor_parallel_size >= 1, "model.tensor_parallel_size", "must be >= 1", m.tensor_parallel_size)
     check_value(0 <= m.eos_token_id < m.vocab_size, "model.eos_token_id",

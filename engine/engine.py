@@ -1,4 +1,5 @@
 """The generate loop: requests in, finished sequences out (streamed as they finish)."""
+import copy
 import functools
 import gc
 import itertools
@@ -20,7 +21,7 @@ from engine.generation_config import read_generation_config, silent_eos, stop_id
 from engine.kernel_compiles import CompilePool, run_compiled_ahead, start_compile_pool
 from engine.kv_cache import PagedKVCache, bytes_per_block, cache_dtype, num_blocks_for
 from engine.model_runner import InFlight, ModelRunner, kv_bytes_left
-from engine.models.loader import build_model, resolve_model_path
+from engine.models.loader import build_model, max_model_len_of, resolve_model_path
 from engine.parallel import build_parallel_model
 from engine.prefix_groups import CascadePolicy
 from engine.reasoning import reasoning_parser as make_reasoning_parser
@@ -112,6 +113,16 @@ def piecewise_graphs_on(model_cfg, device: torch.device) -> bool:
     return device.type == "cuda" if model_cfg.piecewise_graphs is None else model_cfg.piecewise_graphs
 
 
+def with_max_model_len(cfg):
+    """A copy of cfg whose model.max_model_len is the one in effect (the loader's max_model_len_of: null is the
+    checkpoint's context), logged with where it came from: the engine, its ranks and its callers read one int."""
+    value, source = max_model_len_of(cfg.model)
+    log.info("model.max_model_len %d: %s", value, source)
+    resolved = copy.deepcopy(cfg)  # not dataclasses.replace: a composed (Hydra) config serves as well
+    resolved.model.max_model_len = value
+    return resolved
+
+
 def sized_by_trial(cache_cfg) -> bool:
     """Whether a CUDA pool is sized from the memory a trial step leaves (kv_bytes_left), not set in blocks or GB."""
     return cache_cfg.num_blocks is None and cache_cfg.kv_budget_gb is None
@@ -131,10 +142,10 @@ class LLMEngine:
         and allocation; graphs: the end of the samplers' compilation, begun after the model, then the runner's
         CUDA graph captures; warm_up), which add up to its construction."""
         laps, started_s = Laps(), process_age_s()
-        self.cfg = cfg
         self.run_dir = run_dir
-        self.max_model_len = cfg.model.max_model_len
         self.device, self.dtype = resolve_device(cfg.model)
+        self.cfg = cfg = with_max_model_len(cfg)
+        self.max_model_len = cfg.model.max_model_len
         self.parallel = cfg.model.tensor_parallel_size > 1
         if self.parallel and self.device.type == "cuda" and sized_by_trial(cfg.cache):  # the workers take no part in it
             raise ConfigError("model.tensor_parallel_size > 1 on CUDA needs cache.kv_budget_gb (each rank's) "

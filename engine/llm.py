@@ -134,8 +134,8 @@ class LLM:
         return llm
 
     def _start(self, cfg, run_dir, reasoning_parser: str | None, max_sequences: int | None = None) -> None:
-        self.cfg = cfg
         self.engine = LLMEngine(cfg, run_dir, reasoning_parser, max_sequences)
+        self.cfg = self.engine.cfg  # model.max_model_len resolved
         self.tokenizer = self.engine.tokenizer
         self.default_sampling = resolve_sampling(cfg.sampling, self.engine.generation_config)
         check_run_sampling(self.engine, self.default_sampling)

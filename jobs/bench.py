@@ -36,6 +36,7 @@ import torch
 from engine.engine import resolve_device
 from engine.hardware import device_rates
 from engine.llm import LLM, Request, RequestOutput
+from engine.models.loader import max_model_len_of
 from engine.models.quantization import fp8_gemms
 from engine.stats import FloorModel, workload_floor_s
 from engine.sequence import SamplingParams
@@ -259,9 +260,10 @@ def run(cfg) -> None:
     warn_unused_keys(cfg.job, cfg.sampling)
     sizes = shape(cfg.job)
     longest = sizes.prefix_len + sizes.input_len[1] + sizes.output_len[1]
-    if longest > cfg.model.max_model_len:
+    max_model_len, _ = max_model_len_of(cfg.model)  # before any engine: null is the checkpoint's context
+    if longest > max_model_len:
         raise JobError(f"job.workload={cfg.job.workload}: requests of up to {longest} tokens (prompt and output) "
-                       f"need model.max_model_len >= {longest}, it is {cfg.model.max_model_len}")
+                       f"need model.max_model_len >= {longest}, it is {max_model_len}")
     if cfg.executor.name != "local" and cfg.job.baseline != "none":
         raise JobError(f"job.baseline={cfg.job.baseline} runs on one device: use executor=local")
     local = cfg.executor.name == "local"

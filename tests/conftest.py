@@ -1,3 +1,4 @@
+import logging
 import os
 
 import torch
@@ -25,6 +26,17 @@ def make_config():
             return compose("config", overrides=list(overrides))
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def no_log_handlers_on_closed_streams():
+    """A job run in-process (tests/test_cli.py's run.main()) leaves Hydra's handlers on the root logger, one of
+    them on the stdout that test captured, which pytest closes after it: a later test's first log line would
+    print a "Logging error" traceback to stderr (a test that asserts a clean stderr failed on it)."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if getattr(getattr(h, "stream", None), "closed", False)]:
+        root.removeHandler(handler)
+    yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -333,7 +333,7 @@ def test_the_weights_estimate_is_what_the_build_holds(make_config, monkeypatch, 
     for rank in range(world):
         group = Collectives(rank, world, lambda t: None, lambda t: t) if world > 1 else None
         with torch.device("meta"):
-            finished, _ = loader.weight_bytes(cls(arch, cfg.max_model_len), dtype, fp8, group)
+            finished, _ = loader.weight_bytes(cls(arch, loader.max_model_len_of(cfg)[0]), dtype, fp8, group)
         held = held_bytes(loader.build_model(cfg, CPU, dtype, group)[0])
         assert held <= finished <= held + (0 if fp8 else folded), rank
 
@@ -351,7 +351,7 @@ for key, value in json.loads(sys.argv[1]).items():
     setattr(cfg, key, value)
 cls, arch, _ = loader.model_spec(cfg, None)
 with torch.device("meta"):
-    finished, building = loader.weight_bytes(cls(arch, cfg.max_model_len), torch.bfloat16, False)
+    finished, building = loader.weight_bytes(cls(arch, loader.max_model_len_of(cfg)[0]), torch.bfloat16, False)
 open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
 before = rss("VmRSS:")
 model, _ = loader.build_model(cfg, torch.device("cpu"), torch.bfloat16)

@@ -13,7 +13,7 @@ from engine.errors import ConfigError
 from engine.models.decoder import WeightFootprint
 from engine.models import loader
 from engine.models.decoder import FOLDED_NORMS
-from engine.models.loader import build_model, model_spec, to_hf_model, unpacked_state_dict
+from engine.models.loader import build_model, max_model_len_of, model_spec, to_hf_model, unpacked_state_dict
 from engine.models.registry import MODELS
 from engine.models.rope import Rope, inverse_frequencies, rope_from_config
 from engine.tokenizer import byte_level_tokenizer
@@ -182,7 +182,7 @@ def test_random_weights_are_one_seeded_draw_in_parameter_order(make_config, tied
     model, _ = build_model(cfg, torch.device("cpu"), torch.float32)
     cls, arch, _ = model_spec(cfg, None)
     generator, expected = torch.Generator().manual_seed(cfg.seed), {}
-    for name, param in cls(arch, cfg.max_model_len).named_parameters():
+    for name, param in cls(arch, max_model_len_of(cfg)[0]).named_parameters():
         expected[name] = torch.ones(param.shape) if "norm" in name else torch.zeros(param.shape) \
             if name.endswith("bias") else torch.randn(param.shape, generator=generator) * cfg.initializer_range
     actual = dict(model.named_parameters())
@@ -231,7 +231,7 @@ def test_an_fp8_build_peaks_at_a_few_parts_beyond_the_model(make_config):
                       "model.quantization=fp8").model
     cls, arch, _ = model_spec(cfg, None)
     with torch.device("meta"):
-        layout = cls(arch, cfg.max_model_len)
+        layout = cls(arch, max_model_len_of(cfg)[0])
     largest = max(sum(p.numel() for p in part.parameters()) * 4 for _, part in loader.model_parts(layout))
     device = torch.device("cuda")
     torch.cuda.synchronize(device)

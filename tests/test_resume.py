@@ -186,7 +186,7 @@ def test_resuming_with_the_same_files_by_other_paths_or_other_execution_settings
     assert resumed.resumed == 1
     with pytest.raises(JobError, match=r"other settings \(job.input: '.*in.parquet' -> '.*other.parquet'\)"):
         ResultWriter(run_dir, 4, make_config("job.input=other.parquet"), FINGERPRINT)
-    with pytest.raises(JobError, match=r"other settings \(model.max_model_len: 2048 -> 1024\)"):
+    with pytest.raises(JobError, match=r"other settings \(model.max_model_len: None -> 1024\)"):
         ResultWriter(run_dir, 4, make_config("job.input=in.parquet", "model.max_model_len=1024"), FINGERPRINT)
 
 

@@ -40,6 +40,7 @@ COMPUTED_BUFFERS = ("rotary_emb.inv_freq",)  # stored by some checkpoints; the m
 SKIPPED_INIT = ("normal_", "uniform_", "kaiming_uniform_")  # torch.nn.init's, as the meta layout is built
 VOCAB_PARTS = ("model.embed_tokens", "lm_head")  # the parts a tensor-parallel rank keeps a slice of rows of
 HEADER_FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # safetensors' names
+RANDOM_WEIGHTS_MAX_MODEL_LEN = 2048  # model.max_model_len null without a checkpoint to take it from
 
 
 def resolve_model_path(model_cfg) -> Path | None:
@@ -134,8 +135,6 @@ def model_spec(model_cfg, path: Path | None) -> tuple[type[DecoderForCausalLM], 
     else:
         config, where, eos = random_weights_config(model_cfg), "model", [model_cfg.eos_token_id]
     check_shape_values(config, where)
-    if path:
-        check_context(config.get("max_position_embeddings"), model_cfg.max_model_len, where)
     cls = model_class(config, where)
     arch = cls.arch_from_config(config, where)
     if arch.head_dim % 2:
@@ -315,6 +314,28 @@ def init_random_weights(part: nn.Module, prefix: str, generator: torch.Generator
                 param.normal_(generator=generator).mul_(std)
 
 
+def max_model_len_of(model_cfg) -> tuple[int, str]:
+    """model.max_model_len in effect, and where it comes from: the value set; null: a checkpoint's
+    max_position_embeddings, random weights' RANDOM_WEIGHTS_MAX_MODEL_LEN. A checkpoint's directory is
+    checked first (check_checkpoint), then a set value against its positions (check_context)."""
+    path = resolve_model_path(model_cfg)
+    if path is None:
+        if model_cfg.max_model_len is None:
+            return RANDOM_WEIGHTS_MAX_MODEL_LEN, "the default for random weights"
+        return model_cfg.max_model_len, "as set"
+    check_checkpoint(path, own_tokenizer=not model_cfg.tokenizer)
+    file = path / "config.json"
+    positions = read_json_config(file).get("max_position_embeddings")
+    if model_cfg.max_model_len is not None:
+        check_context(positions, model_cfg.max_model_len, f"model.path: {file}")
+        return model_cfg.max_model_len, "as set"
+    if not is_positive(positions, int):
+        found = "none" if positions is None else f"{positions!r}"
+        raise ConfigError(f"model.max_model_len is null, which takes the checkpoint's max_position_embeddings, but "
+                          f"model.path: {file} has {found}: set model.max_model_len")
+    return positions, "the checkpoint's max_position_embeddings"
+
+
 def check_context(max_positions, max_model_len: int, where: str) -> None:
     """A checkpoint's positions cover model.max_model_len: past its max_position_embeddings (the context it was
     trained for, its RoPE scaling included) its outputs are not its own (vLLM refuses them too)."""
@@ -401,18 +422,18 @@ def build_model(model_cfg, device: torch.device, dtype: torch.dtype,
     in float32 (a 70B model in FP8 never exists in bfloat16). group: a tensor-parallel rank's Collectives:
     each layer keeps only the rank's share as soon as it is finished, the embedding and the head once the
     model is built (engine/models/tensor_parallel.py), so a rank holds its share, one part beyond it and, until
-    the end, the whole embedding and head. A model that would not fit in the memory available is refused
-    before any storage is given (check_weights_fit)."""
+    the end, the whole embedding and head. Its RoPE tables cover max_model_len_of's positions (an engine's
+    config has it resolved already). A model that would not fit in the memory available is refused before any
+    storage is given (check_weights_fit)."""
     path = resolve_model_path(model_cfg)
-    if path:
-        check_checkpoint(path, own_tokenizer=not model_cfg.tokenizer)
+    max_model_len, _ = max_model_len_of(model_cfg)  # the checkpoint's directory checked first
     cls, arch, eos = model_spec(model_cfg, path)
-    check_rope_tables_fit(model_cfg.max_model_len, arch.head_dim, device)
+    check_rope_tables_fit(max_model_len, arch.head_dim, device)
     if group:
         check_divisible(arch, group.world)
     fmt = weight_format(read_json_config(path / "config.json"), f"model.path: {path / 'config.json'}") if path else None
     with torch.device("meta"), _skipped_init():
-        model = cls(arch, model_cfg.max_model_len)
+        model = cls(arch, max_model_len)
     checkpoint = checkpoint_parts(model, path, fmt) if path else None
     generator = None if path else torch.Generator(device).manual_seed(model_cfg.seed)
     round_to_fp8 = model_cfg.quantization == "fp8" and fmt is None  # an FP8 checkpoint is rounded already
