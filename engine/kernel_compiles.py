@@ -97,9 +97,10 @@ class CompilePool:
         for _ in range(self.num_workers):
             worker = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, env=env)
+            thread = threading.Thread(target=self._serve, args=(worker,), daemon=True, name="compile-pool")
             self._workers.append(worker)
-            self._threads.append(threading.Thread(target=self._serve, args=(worker,), daemon=True, name="compile-pool"))
-            self._threads[-1].start()
+            self._threads.append(thread)
+            thread.start()
 
     @contextlib.contextmanager
     def ahead(self):
