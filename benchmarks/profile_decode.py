@@ -5,10 +5,11 @@ engine.step() of a decode run takes several): wall time (no profiler), summed ke
 CUDA activity only), their difference per step as the host overhead, the kernel time per step by kernel, the
 host time of each phase of a step, and cProfile's top host functions.
 Usage: [MODEL=llama-3.2-1b] [OVERRIDES="cache.cascade_attention=off ..."] python3 benchmarks/profile_decode.py
-       [--host] SEQS:CONTEXT[+PREFIX] [...]
+       [--host] SEQS:CONTEXT[+PREFIX][xSAMPLES] [...]
 CONTEXT is a prompt length or a range LO-HI (lengths uniform in it, as in the nano workload); +PREFIX puts
 one shared prefix of PREFIX tokens before every prompt (as the shared_prefix workload: the prefix cache
-shares its blocks, cascade attention reads them once per group); --host adds the host phases and
+shares its blocks, cascade attention reads them once per group); xSAMPLES: SEQS / SAMPLES prompts of
+SAMPLES samples each at temperature 1 (as the rollout workload: groups of SAMPLES rows); --host adds the host phases and
 cProfile. --mixed K: then, four times, K more prompts of the same kind arrive and the steps that prefill
 them beside the running decodes (mixed steps, run eagerly) are timed: wall time, kernel time by kernel,
 and cProfile's top host functions. Default: 256:1024.
@@ -46,6 +47,9 @@ def bench_engine(*overrides: str) -> LLMEngine:
 
 
 def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, temperature: float = 0.6) -> None:
+    context, _, samples = context.partition("x")
+    samples = int(samples or 1)
+    temperature = 1.0 if samples > 1 else temperature
     context, _, prefix_len = context.partition("+")
     lo, _, hi = context.partition("-")
     lo, hi = int(lo), int(hi or lo)
@@ -61,9 +65,10 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
             length = int(torch.randint(lo, hi + 1, (1,), generator=generator))
             prompt = prefix + torch.randint(0, vocab, (length,), generator=generator).tolist()
             engine.add_request(str(next(ids)), prompt,
-                               SamplingParams(temperature=temperature, max_tokens=10 * steps, ignore_eos=True))
+                               SamplingParams(n=samples, temperature=temperature, max_tokens=10 * steps,
+                                              ignore_eos=True))
 
-    add_requests(num_seqs)
+    add_requests(num_seqs // samples)
     prefill_all(engine)
     for _ in range(5):
         engine.step()
@@ -72,11 +77,13 @@ def main(num_seqs: int, context: str, host: bool, mixed: int, steps: int = 50, t
     kv_floor = logical * bytes_per_token / COPY_BYTES_PER_S
     timed, wall = synced(run_steps, engine, steps)
     grouped = sum(s.cascade_rows for s in engine.stats.steps[-timed:]) / timed  # rows a step that cascade
-    profiled, busy, by_kernel = kernel_seconds(run_steps, engine, steps)
-    shape = f"{context}+{prefix_len}" if prefix_len else context
-    print(f"decode batch {num_seqs}, context {shape}: {wall / timed * 1e3:.2f} ms/step wall, "
-          f"{busy / profiled * 1e3:.2f} ms/step GPU busy ({100 * busy / profiled / (wall / timed):.1f}%), "
-          f"host overhead {(wall / timed - busy / profiled) * 1e3:.2f} ms/step, {num_seqs * timed / wall:.0f} tok/s, "
+    (profiled, profiled_wall), busy, by_kernel = kernel_seconds(run_steps, engine, steps)
+    shape = (f"{context}+{prefix_len}" if prefix_len else context) + (f" x{samples}" if samples > 1 else "")
+    # the profiled steps come after the timed ones, over longer contexts: their busy share is of their own wall
+    print(f"decode batch {num_seqs}, context {shape}: {wall / timed * 1e3:.2f} ms/step wall; then, profiled, "
+          f"{profiled_wall / profiled * 1e3:.2f} ms/step wall, {busy / profiled * 1e3:.2f} ms/step GPU busy "
+          f"({100 * busy / profiled_wall:.1f}%, host overhead {(profiled_wall - busy) / profiled * 1e3:.2f} "
+          f"ms/step); {num_seqs * timed / wall:.0f} tok/s, "
           f"every row's own K/V at copy speed {kv_floor * 1e3:.2f} ms/step, rows in sharing groups "
           f"{grouped:.0f} a step")
     print_kernels(by_kernel, profiled, 16)
@@ -103,7 +110,7 @@ def mixed_steps(engine, count: int, add_requests) -> None:
     add_requests(count)
     taken, wall = synced(prefill_all, engine)
     add_requests(count)
-    profiled, busy, by_kernel = kernel_seconds(prefill_all, engine)
+    (profiled, _), busy, by_kernel = kernel_seconds(prefill_all, engine)
     print(f"{count} new prompts beside {len(engine.scheduler.running) - 2 * count} decodes: {taken} steps, "
           f"{wall / taken * 1e3:.2f} ms/step wall; {busy / profiled * 1e3:.2f} ms/step of kernels over "
           f"{profiled} steps")
@@ -133,11 +140,11 @@ def synced(fn, *args):
     return result, time.perf_counter() - start
 
 
-def kernel_seconds(fn, *args) -> tuple[object, float, dict[str, tuple[float, int]]]:
-    """fn(*args) under the profiler (CUDA activity only, to keep it light): its result, the summed GPU
-    kernel time, and per kernel name (seconds, calls)."""
+def kernel_seconds(fn, *args) -> tuple[tuple[object, float], float, dict[str, tuple[float, int]]]:
+    """fn(*args) under the profiler (CUDA activity only, to keep it light): (its result, its wall seconds), the
+    summed GPU kernel time, and per kernel name (seconds, calls)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        result, _ = synced(fn, *args)
+        result = synced(fn, *args)
     by_kernel: dict[str, tuple[float, int]] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:

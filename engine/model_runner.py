@@ -24,7 +24,7 @@ import torch
 import ops
 from engine.attention import AttentionMetadata, CascadeMetadata, PrefillMetadata
 from engine.block_manager import KVBlockManager, new_token_positions
-from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, smallest_bucket
 from engine.kernel_compiles import CompilePool
 from engine.kv_cache import PagedKVCache
 from engine.models.decoder import DecoderForCausalLM
@@ -39,6 +39,15 @@ from engine.watchdog import StepInputs, StepTimeout
 PROMPT_ROWS = 256  # prompt positions whose logits exist at once (prompt_logprobs): [PROMPT_ROWS, vocab]
 FILL_CHUNK_ROWS = 128  # a step's masks fill in chunks of at least this many rows, one chunk per fill thread
 _SEQ_ID, _SAMPLING = attrgetter("seq_id"), attrgetter("sampling")
+
+
+def padded_to_bucket(rows: np.ndarray, buckets: list[int] | None) -> np.ndarray:
+    """rows, then its first entry repeated up to the smallest of the ascending buckets that holds them (rows as
+    they are without buckets, rows or such a bucket). An eager step's lm_head then multiplies a row count whose
+    cuBLAS kernel the decode graphs' captures have run: at a count that picked a kernel not run before, the call
+    held the host until the device had drained (benchmarks/NOTES.md, session 48)."""
+    size = smallest_bucket(buckets, rows.size) if buckets and rows.size else None
+    return rows if size is None else np.concatenate([rows, np.full(size - rows.size, rows[0], dtype=rows.dtype)])
 
 
 class ModelRunner:
@@ -71,8 +80,9 @@ class ModelRunner:
         int64 [T], slot_mapping int32 [T]; the decode rows' block_tables int32 [n, M] and seq_lens int32 [n],
         with decode_order int32 [n] (plain decode) or the cascade's groups (cu_group_rows, group_prefix_lens,
         plan); the prefill chunks' prefill_tables, prefill_seq_lens and cu_seqlens int32 [C + 1];
-        sampled_rows int64 [D] (the last row of each sequence that draws); placeholders int64 [2, P] (input
-        rows, rows of the previous step's device tokens) for the rows whose token the previous step drew.
+        sampled_rows int64 [>= D] (the last row of each sequence that draws, padded_to_bucket); placeholders
+        int64 [2, P] (input rows, rows of the previous step's device tokens) for the rows whose token the previous
+        step drew.
         starts: int64 [S], the tokens each sequence had computed before the step; tables int32 [S, M] and
         seq_lens int32 [S]: its block tables and lengths with the step's tokens
         (KVBlockManager.block_tables_and_seq_lens)."""
@@ -87,7 +97,7 @@ class ModelRunner:
             ]).astype(np.int64),
             "positions": new_token_positions(starts, counts), "slot_mapping": batch.slot_mapping,
             "block_tables": tables[:n], "seq_lens": seq_lens[:n],
-            "sampled_rows": last_rows[draws]}
+            "sampled_rows": padded_to_bucket(last_rows[draws], self.graphs.buckets if self.graphs else None)}
         if n < len(batch.seqs):
             arrays |= {"prefill_tables": tables[n:], "prefill_seq_lens": seq_lens[n:], "cu_seqlens": cu_seqlens[n:] - n}
         arrays |= self._decode_layout(tables[:n], seq_lens[:n])
@@ -151,6 +161,7 @@ class ModelRunner:
             return self._launch_run(batch, previous, step, starts, tables)
         arrays = self.step_arrays(batch, starts, tables, seq_lens, previous)
         drawing = list(compress(batch.seqs, batch.draws))
+        num_sampled = len(drawing)
         arrays |= self._fork_arrays(drawing, batch.forks)
         drawing += [child for fork in batch.forks for child in fork.children]
         segments = self._prompt_segments(batch, starts, len(drawing))
@@ -171,7 +182,7 @@ class ModelRunner:
         if to_sampling is None:  # only prefill chunks that end before their prompt does
             return None
         if logits is None:
-            logits = self.model.compute_logits(hidden[inputs["sampled_rows"]])
+            logits = self.model.compute_logits(hidden[inputs["sampled_rows"]])[:num_sampled]
         if "logit_rows" in inputs:
             logits = logits[inputs["logit_rows"]]
         params = to_sampling(uploaded[len(arrays):])

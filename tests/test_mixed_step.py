@@ -69,3 +69,21 @@ def test_longest_first_is_the_decode_start_order():
     order = longest_first(np.array([5, 900, 17, 900, 1, 64], dtype=np.int32))
     assert order.dtype == np.int32 and order.tolist() == [1, 3, 5, 2, 0, 4]
     assert longest_first(np.zeros(0, dtype=np.int32)).tolist() == []
+
+
+def test_sampled_rows_padded_to_a_decode_bucket():
+    """An eager step's sampled rows reach the lm_head padded to the smallest decode-graph bucket that holds them
+    (their first row repeated), a row count the graphs' captures multiplied; as they are without buckets, without
+    rows, or past the largest bucket."""
+    from engine.cuda_graphs import bucket_sizes
+    from engine.model_runner import padded_to_bucket
+
+    buckets = bucket_sizes(1024)
+    for n in (1, 3, 16, 17, 452, 582, 924, 1024):
+        rows = np.arange(5, 5 + 2 * n, 2, dtype=np.int64)
+        padded = padded_to_bucket(rows, buckets)
+        assert padded.size == min(b for b in buckets if b >= n) and padded.dtype == rows.dtype
+        assert np.array_equal(padded[:n], rows) and (padded[n:] == rows[0]).all()
+    assert padded_to_bucket(rows, None) is rows
+    assert padded_to_bucket(np.zeros(0, np.int64), buckets).size == 0
+    assert padded_to_bucket(np.arange(1025), buckets).size == 1025
